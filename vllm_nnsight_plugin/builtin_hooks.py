@@ -1,0 +1,52 @@
+"""Builtin implementations of the project's hooks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .hookspecs import hookimpl
+
+ALLOW_CODE_ENV = "VLLM_NNSIGHT_ALLOW_CODE"
+
+
+@hookimpl(trylast=True)
+def nnsight_payload_policy(kind: str, origin: str) -> str | None:
+    """Code payloads over HTTP are remote code execution: only with operator opt-in."""
+    if kind == "code" and origin == "http" and os.environ.get(ALLOW_CODE_ENV) != "1":
+        return (
+            "code payloads (pickled Python) are refused by this server: they execute "
+            f"arbitrary code. The operator can allow them with {ALLOW_CODE_ENV}=1"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class ArchAdapter:
+    """Where an architecture keeps its decoder layers and what a layer returns."""
+
+    layers_path: str
+    layer_returns_residual: bool
+
+    def residual_stream(self, layer_output: Any) -> Any:
+        """The HF-equivalent hidden state from a decoder layer's vLLM output."""
+        if self.layer_returns_residual:
+            hidden, residual = layer_output
+            return hidden + residual
+        return layer_output
+
+
+_LLAMA_LIKE = ArchAdapter("model.layers", True)
+_ADAPTERS = {
+    "LlamaForCausalLM": _LLAMA_LIKE,
+    "MistralForCausalLM": _LLAMA_LIKE,
+    "Qwen2ForCausalLM": _LLAMA_LIKE,
+    "Qwen3ForCausalLM": _LLAMA_LIKE,
+    "GPT2LMHeadModel": ArchAdapter("transformer.h", False),
+}
+
+
+@hookimpl(trylast=True)
+def nnsight_arch_adapter(architecture: str) -> ArchAdapter | None:
+    return _ADAPTERS.get(architecture)

@@ -1,0 +1,1 @@
+"""What users touch: ``VLLM``, its tracer and envoys."""

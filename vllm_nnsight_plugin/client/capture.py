@@ -1,0 +1,141 @@
+"""Capture the body of a ``with`` block instead of running it.
+
+The body of ``with model.trace(...):`` must run inside vLLM's worker, beside the
+forward pass, not in the caller. On ``__enter__`` we find the ``with`` statement in
+the caller's source (``linecache`` also holds notebook cells), cut out its body
+with its original line numbers, and make the body's first line raise
+:class:`SkipBlock` through a frame trace function; ``__exit__`` swallows it.
+After the engine ran the block, :func:`push_locals` writes the saved values into
+the caller's variables.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import linecache
+import sys
+import textwrap
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+
+class SkipBlock(Exception):
+    """Raised on the first line of a captured body so it never runs locally."""
+
+
+@dataclass(frozen=True)
+class BlockSource:
+    """The source of a captured body and the names it reads."""
+
+    source: str
+    filename: str
+    lineno: int
+    names: tuple[str, ...]
+    statements: tuple[ast.stmt, ...]
+
+
+_CACHE: dict[tuple, BlockSource] = {}
+_TREES: dict[tuple, ast.Module] = {}
+
+
+def _parse(filename: str, lines: list[str]) -> ast.Module:
+    key = (filename, len(lines), hash("".join(lines)))
+    tree = _TREES.get(key)
+    if tree is None:
+        tree = ast.parse("".join(lines), filename)
+        _TREES[key] = tree
+    return tree
+
+
+def _names_read(nodes: list[ast.stmt]) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for node in nodes:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name) and not sub.id.startswith("__"):
+                seen.setdefault(sub.id)
+    return tuple(seen)
+
+
+def find_block(frame: FrameType) -> BlockSource:
+    """The body of the ``with`` statement the frame is entering."""
+    filename = frame.f_code.co_filename
+    lineno = frame.f_lineno
+    lines = linecache.getlines(filename, frame.f_globals)
+    if not lines:
+        raise RuntimeError(
+            f"cannot read the source of {filename}: a traced block must live in a file "
+            "or notebook cell (not an interactive prompt without source)"
+        )
+    key = (filename, lineno, len(lines), lines[lineno - 1] if lineno <= len(lines) else "")
+    cached = _CACHE.get(key)
+    if cached is not None:
+        return cached
+    tree = _parse(filename, lines)
+    best: ast.With | None = None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.With, ast.AsyncWith)) and node.lineno <= lineno < node.body[0].lineno:
+            if best is None or node.lineno >= best.lineno:
+                best = node
+    if best is None:
+        raise RuntimeError(f"no with-block found at {filename}:{lineno}")
+    first = best.body[0]
+    if first.lineno == best.lineno:
+        raise SyntaxError(
+            "the body of a traced with-block must start on its own line",
+            (filename, first.lineno, first.col_offset + 1, lines[first.lineno - 1]),
+        )
+    start = first.lineno
+    end = best.body[-1].end_lineno or start
+    source = textwrap.dedent("".join(lines[start - 1 : end]))
+    block = BlockSource(source, filename, start, _names_read(best.body), tuple(best.body))
+    _CACHE[key] = block
+    return block
+
+
+def gather_values(frame: FrameType, names: tuple[str, ...]) -> dict[str, Any]:
+    """The caller's current values of the names a block reads (locals win)."""
+    local, glob = frame.f_locals, frame.f_globals
+    out: dict[str, Any] = {}
+    for name in names:
+        if name in local:
+            out[name] = local[name]
+        elif name in glob:
+            out[name] = glob[name]
+    return out
+
+
+class BodySkipper:
+    """Makes the first line of a with-body raise :class:`SkipBlock`."""
+
+    def __init__(self, frame: FrameType):
+        self.frame = frame
+        self._previous = sys.gettrace()
+
+    def arm(self) -> None:
+        sys.settrace(lambda *args: None)
+        self.frame.f_trace_lines = True
+        self.frame.f_trace = self._trace
+
+    def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.disarm()
+            raise SkipBlock()
+        return self._trace
+
+    def disarm(self) -> None:
+        self.frame.f_trace = None
+        sys.settrace(self._previous)
+
+
+def push_locals(frame: FrameType, values: dict[str, Any]) -> None:
+    """Bind names in the caller's frame (function locals or module globals)."""
+    if not values:
+        return
+    if frame.f_locals is frame.f_globals:
+        frame.f_globals.update(values)
+        return
+    frame.f_locals.update(values)
+    if sys.version_info < (3, 13):
+        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))

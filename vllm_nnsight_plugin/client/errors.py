@@ -1,0 +1,39 @@
+"""Errors raised in the caller for what went wrong inside the engine."""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any
+
+
+class InterventionError(Exception):
+    """An intervention block failed inside the engine.
+
+    Raised at the exit of the ``with`` block. When the remote exception was a
+    builtin type (``ZeroDivisionError``, ``IndexError``...), the raised error is
+    also an instance of that type, so ``except ZeroDivisionError`` works.
+    """
+
+    def __init__(self, info: dict[str, Any]):
+        self.info = info
+        self.type_name = info.get("type", "Error")
+        self.remote_message = info.get("message", "")
+        self.filename = info.get("filename")
+        self.lineno = info.get("lineno")
+        self.line = info.get("line", "")
+        where = f'\n  File "{self.filename}", line {self.lineno}\n    {self.line}' if self.lineno else ""
+        super().__init__(f"{self.type_name}: {self.remote_message}{where}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def make_error(info: dict[str, Any]) -> InterventionError:
+    base = getattr(builtins, str(info.get("type")), None)
+    if isinstance(base, type) and issubclass(base, Exception) and base is not Exception:
+        try:
+            cls = type(f"Remote{base.__name__}", (InterventionError, base), {"__str__": InterventionError.__str__})
+            return cls(info)
+        except TypeError:  # incompatible layouts (e.g. OSError)
+            pass
+    return InterventionError(info)

@@ -1,0 +1,197 @@
+"""``VLLM``: nnsight's ``VLLM`` API over a stock vLLM engine."""
+
+from __future__ import annotations
+
+import dis
+import sys
+from typing import Any
+
+from ..payload import codec
+from .envoy import Envoy
+from .tracer import _NO_PROMPT, Invoke, Tracer
+
+DEFAULT_TRACE_MAX_TOKENS = 1
+
+
+def _is_with_statement(frame: Any) -> bool:
+    """True when the caller's current call is the expression of a ``with``."""
+    code = frame.f_code
+    after = False
+    for ins in dis.get_instructions(code):
+        if after:
+            if ins.opname in ("CACHE", "EXTENDED_ARG", "NOP"):
+                continue
+            return ins.opname in ("BEFORE_WITH", "LOAD_SPECIAL", "SETUP_WITH")
+        if ins.offset == frame.f_lasti:
+            after = True
+    return False
+
+
+def to_prompt(prompt: Any) -> Any:
+    """A vLLM prompt from a str, token ids, a tokenizer encoding or a prompt dict."""
+    if isinstance(prompt, str):
+        return prompt
+    if hasattr(prompt, "tolist") and not isinstance(prompt, dict):
+        prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple)):
+        if prompt and isinstance(prompt[0], list):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per invoke: got a batch of token id lists")
+            prompt = prompt[0]
+        return {"prompt_token_ids": [int(t) for t in prompt]}
+    if isinstance(prompt, dict) or hasattr(prompt, "keys"):
+        keys = set(prompt.keys())
+        if "input_ids" in keys:
+            ids = prompt["input_ids"]
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            if ids and isinstance(ids[0], list):
+                if len(ids) != 1:
+                    raise ValueError("one prompt per invoke: got a batch of encodings")
+                ids = ids[0]
+            mask = prompt.get("attention_mask") if hasattr(prompt, "get") else None
+            if mask is not None:
+                mask = mask.tolist() if hasattr(mask, "tolist") else list(mask)
+                if mask and isinstance(mask[0], list):
+                    mask = mask[0]
+                ids = [t for t, m in zip(ids, mask) if m]
+            return {"prompt_token_ids": [int(t) for t in ids]}
+        return dict(prompt)
+    raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def sampling_kwargs(trace_kw: dict[str, Any], invoke_kw: dict[str, Any], default_max: int | None) -> dict:
+    """Invoke keywords win for the fields they name; ``max_new_tokens`` is ``max_tokens``."""
+    merged: dict[str, Any] = {}
+    for source in (trace_kw, invoke_kw):
+        for key, value in source.items():
+            merged["max_tokens" if key == "max_new_tokens" else key] = value
+    if default_max is not None:
+        merged.setdefault("max_tokens", default_max)
+    return merged
+
+
+class VLLM(Envoy):
+    """A vLLM engine you can trace like an nnsight model.
+
+    ``VLLM(path, dispatch=True, **llm_kwargs)`` starts a ``vllm.LLM``; other
+    keywords go to it. Without ``dispatch`` nothing heavy happens until the first
+    trace. The engine runs eager by default (``enforce_eager=True``) because
+    compiled graphs skip Python hooks; ``model.logits``/``model.samples`` work
+    in every mode.
+    """
+
+    def __init__(self, model: str, dispatch: bool = False, mode: str = "sync",
+                 taps: Any = (), **llm_kwargs: Any):
+        super().__init__("", None)
+        if mode != "sync":
+            raise NotImplementedError("mode='async' is not available yet; use mode='sync'")
+        if taps:
+            raise NotImplementedError("taps= (CUDA graphs kept at declared locations) is not available yet")
+        llm_kwargs.setdefault("enforce_eager", True)
+        object.__setattr__(self, "model_path", model)
+        object.__setattr__(self, "llm_kwargs", llm_kwargs)
+        object.__setattr__(self, "_llm", None)
+        object.__setattr__(self, "_tokenizer", None)
+        if dispatch:
+            self.dispatch()
+
+    def __nnsight_ref__(self) -> tuple:
+        return ("model",)
+
+    # ------------------------------------------------------------ engine
+    def dispatch(self) -> VLLM:
+        """Start the engine (once) and learn the module tree it loaded."""
+        if self._llm is None:
+            from vllm import LLM
+
+            llm = LLM(model=self.model_path, **self.llm_kwargs)
+            object.__setattr__(self, "_llm", llm)
+            tree = llm.collective_rpc("nnsight_module_tree")[0]
+            object.__setattr__(self, "_tree", {path: cls for path, cls in tree})
+        return self
+
+    @property
+    def dispatched(self) -> bool:
+        return self._llm is not None
+
+    @property
+    def vllm_entrypoint(self) -> Any:
+        return self.dispatch()._llm
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._llm is not None:
+            return self._llm.get_tokenizer()
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            object.__setattr__(self, "_tokenizer", AutoTokenizer.from_pretrained(self.model_path))
+        return self._tokenizer
+
+    # ------------------------------------------------------------ API
+    def trace(self, prompt: Any = _NO_PROMPT, **sampling: Any) -> Tracer:
+        """``with model.trace(prompt, **sampling):`` -- a block run inside the engine."""
+        return Tracer(self, prompt, **sampling)
+
+    def generate(self, *prompts: Any, **sampling: Any) -> Any:
+        """``with model.generate(...)`` is :meth:`trace`; a plain call generates.
+
+        Without a ``with`` block this is vLLM generation: a prompt or a list of
+        prompts, returning ``RequestOutput``s (with ``.saves`` where anything was
+        saved).
+        """
+        if _is_with_statement(sys._getframe(1)):
+            if len(prompts) > 1:
+                raise ValueError("with model.generate(...) takes one prompt; use invokes for more")
+            return Tracer(self, prompts[0] if prompts else _NO_PROMPT, **sampling)
+        from vllm import SamplingParams
+
+        batch = prompts[0] if len(prompts) == 1 and isinstance(prompts[0], list) and prompts[0] \
+            and not isinstance(prompts[0][0], int) else list(prompts)
+        params = SamplingParams(**sampling_kwargs(sampling, {}, None))
+        outputs = self.vllm_entrypoint.generate([to_prompt(p) for p in batch], params, use_tqdm=False)
+        for output in outputs:
+            _attach(output)
+        return outputs
+
+    def scan(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "VLLM.scan is not supported: there is no local forward pass to scan (the model "
+            "runs inside vLLM's engine under inference mode). Use model.trace(...) instead."
+        )
+
+    # ------------------------------------------------------------ running
+    def _run_invokes(self, invokes: list[Invoke], trace_sampling: dict[str, Any]) -> list[Any]:
+        from vllm import SamplingParams
+
+        prompts, params = [], []
+        for inv in invokes:
+            kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
+            extra = dict(kw.pop("extra_args", None) or {})
+            extra[codec.PAYLOAD_KEY] = codec.encode_code(
+                codec.CodePayload(inv.block.source, inv.block.filename, inv.block.lineno, inv.values)
+            )
+            params.append(SamplingParams(**kw, extra_args=extra))
+            prompts.append(to_prompt(inv.prompt))
+        outputs = self.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
+        for output in outputs:
+            _attach(output)
+        return outputs
+
+
+def _attach(output: Any) -> None:
+    """Decode results onto the output: ``.saves``, ``.nnsight_error``, warnings."""
+
+    def resolve(path: list) -> Any:
+        value = output
+        for op, arg in path:
+            value = getattr(value, arg) if op == "attr" else value[arg]
+        return value
+
+    raw = (getattr(output, "kv_transfer_params", None) or {}).get(codec.PAYLOAD_KEY)
+    res = codec.decode_results(raw, resolve)
+    if res is None:
+        return
+    output.saves = res.saves
+    output.nnsight_error = res.error
+    output.nnsight_warnings = res.warnings

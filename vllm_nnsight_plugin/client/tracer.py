@@ -1,0 +1,158 @@
+"""``model.trace(...)`` and ``tracer.invoke(...)``: capture blocks, run requests.
+
+Each invoke is one vLLM request carrying its own block. ``trace(prompt)`` is a
+single invoke whose block is the trace body. ``trace()`` without a prompt runs
+its body normally in the caller; each ``tracer.invoke(prompt)`` inside it
+captures its own body. On exit the requests run together (vLLM batches them) and
+saved values land in the caller's variables.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from .capture import BlockSource, BodySkipper, SkipBlock, find_block, gather_values, push_locals
+
+if TYPE_CHECKING:
+    from .model import VLLM
+
+_NO_PROMPT = object()
+
+
+@dataclass
+class Invoke:
+    """One request: its prompt, its sampling overrides, and its block."""
+
+    prompt: Any
+    sampling: dict[str, Any]
+    block: BlockSource
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+class _Capturing:
+    """Shared enter/exit of blocks whose body is sent to the engine."""
+
+    _skipper: BodySkipper | None = None
+
+    def _capture(self, frame: FrameType) -> tuple[BlockSource, dict[str, Any]]:
+        block = find_block(frame)
+        values = gather_values(frame, block.names)
+        self._skipper = BodySkipper(frame)
+        self._skipper.arm()
+        return block, values
+
+    def _release(self) -> None:
+        if self._skipper is not None:
+            self._skipper.disarm()
+            self._skipper = None
+
+
+class Tracer(_Capturing):
+    """The object bound by ``with model.trace(...) as tracer``."""
+
+    def __init__(self, model: VLLM, prompt: Any = _NO_PROMPT, **sampling: Any):
+        self.model = model
+        self._prompt = prompt
+        self._sampling = sampling
+        self._invokes: list[Invoke] = []
+        self._frame: FrameType | None = None
+        self._open_invoke = False
+        self.outputs: list[Any] = []
+
+    def __nnsight_ref__(self) -> tuple:
+        return ("tracer",)
+
+    def __enter__(self) -> Tracer:
+        frame = sys._getframe(1)
+        self._frame = frame
+        if self._prompt is not _NO_PROMPT:
+            block, values = self._capture(frame)
+            self._invokes.append(Invoke(self._prompt, {}, block, values))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self._release()
+        if exc_type is not None and not issubclass(exc_type, SkipBlock):
+            return False
+        try:
+            self._run()
+        finally:
+            self._frame = None
+        return True
+
+    def invoke(self, prompt: Any = _NO_PROMPT, **sampling: Any) -> Invoker:
+        """One more request in this trace (a prompt per invoke)."""
+        if self._prompt is not _NO_PROMPT:
+            raise RuntimeError(
+                "trace(prompt) is already a single invoke; use trace() without a prompt "
+                "and one tracer.invoke(prompt) per request"
+            )
+        if prompt is _NO_PROMPT:
+            raise ValueError("tracer.invoke() needs a prompt: each invoke is one vLLM request")
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str):
+            raise ValueError("one prompt per invoke: use a tracer.invoke(...) block for each prompt")
+        return Invoker(self, prompt, sampling)
+
+    # Inside the caller these only explain themselves; blocks run in the engine.
+    @property
+    def iter(self) -> Any:
+        raise RuntimeError("tracer.iter is only available inside a traced block")
+
+    @property
+    def result(self) -> Any:
+        raise RuntimeError("tracer.result is only available inside a traced block; "
+                           "after the block, see tracer.outputs")
+
+    def all(self) -> Any:
+        raise RuntimeError("tracer.all() is only available inside a traced block")
+
+    def barrier(self, *args: Any) -> Any:
+        raise NotImplementedError("tracer.barrier: each invoke is an independent vLLM request")
+
+    def _run(self) -> None:
+        if not self._invokes:
+            return
+        outputs = self.model._run_invokes(self._invokes, self._sampling)
+        self.outputs = outputs
+        bound: dict[str, Any] = {}
+        first_error = None
+        for output in outputs:
+            saves = getattr(output, "saves", {}) or {}
+            bound.update(saves)
+            info = getattr(output, "nnsight_error", None)
+            if info is not None and first_error is None:
+                first_error = info
+            for text in getattr(output, "nnsight_warnings", ()) or ():
+                warnings.warn(text, RuntimeWarning, stacklevel=3)
+        if self._frame is not None:
+            push_locals(self._frame, bound)
+        if first_error is not None:
+            from .errors import make_error
+
+            raise make_error(first_error) from None
+
+
+class Invoker(_Capturing):
+    """``with tracer.invoke(prompt, **sampling):`` -- one request's block."""
+
+    def __init__(self, tracer: Tracer, prompt: Any, sampling: dict[str, Any]):
+        self.tracer = tracer
+        self.prompt = prompt
+        self.sampling = sampling
+
+    def __nnsight_ref__(self) -> tuple:
+        return ("tracer",)
+
+    def __enter__(self) -> Invoker:
+        frame = sys._getframe(1)
+        block, values = self._capture(frame)
+        self.tracer._invokes.append(Invoke(self.prompt, self.sampling, block, values))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self._release()
+        return exc_type is not None and issubclass(exc_type, SkipBlock)

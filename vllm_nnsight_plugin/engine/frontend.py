@@ -1,0 +1,54 @@
+"""Front-end checks (the process that accepts requests: ``LLM`` or the API server).
+
+Every payload is validated here, before it reaches the engine: structure, size,
+the operator's policy (code payloads over HTTP need an opt-in), and ``n == 1``.
+A traced request also gets a unique prefix-cache salt, so it neither reads KV
+computed without its intervention nor leaves edited KV for anyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..payload import codec
+from . import compat
+
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+
+def check_payload(raw: Any, params: Any) -> dict[str, Any]:
+    """Validate one payload; raise :class:`codec.PayloadError` with the reason."""
+    from ..hooks import refusal
+
+    env = codec.parse_envelope(raw)
+    origin = "http" if compat.serving_http() else "python"
+    reason = refusal(env["kind"], origin)
+    if reason:
+        logger.warning("refused a %s payload from %s: %s", env["kind"], origin, reason)
+        raise codec.PayloadError(reason)
+    if getattr(params, "n", 1) != 1:
+        raise codec.PayloadError(
+            "traced requests take n=1: run one invoke per sample instead of n>1"
+        )
+    return env
+
+
+def _process_inputs(original: Callable) -> Callable:
+    def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        extra = compat.sampling_extra_args(params)
+        raw = extra.get(codec.PAYLOAD_KEY) if extra else None
+        if raw is not None:
+            check_payload(raw, params)
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        if raw is not None:
+            compat.salt_request(request, f"nnsight-{uuid.uuid4().hex}")
+        return request
+
+    return process_inputs
+
+
+def install(input_processor_cls: type) -> None:
+    compat.patch_method(input_processor_cls, "process_inputs", _process_inputs)

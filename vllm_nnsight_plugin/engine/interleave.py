@@ -1,0 +1,323 @@
+"""Runs each traced request's block beside vLLM's forward, on that request's rows.
+
+Per step the runner adapter tells the interleaver the batch layout (which rows of
+the flat token batch belong to which request). Hooks are installed only on the
+modules some parked block waits for, and removed when nobody waits, so an idle
+engine runs with no hooks at all.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..payload import codec
+from . import compat
+from .envoy import WorkerEnvoy, WorkerTracer
+from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait
+
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+
+@dataclass
+class StepLayout:
+    """Rows of this step's flat batch per request."""
+
+    spans: dict[str, tuple[int, int]]  # req_id -> [start, end) token rows
+    rows: dict[str, int]  # req_id -> index among the step's requests (logits/samples row)
+    num_tokens: int  # leading size of activation tensors (including any padding)
+    logits: dict[str, Any] = field(default_factory=dict)  # req_id -> this step's logits row (copy)
+
+
+def narrow(value: Any, start: int, end: int, num_tokens: int) -> Any:
+    """The request's rows of a module value: views, so in-place edits land."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 0 and value.shape[0] == num_tokens:
+            return value[start:end]
+        return value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(narrow(v, start, end, num_tokens) for v in value)
+    if isinstance(value, list):
+        return [narrow(v, start, end, num_tokens) for v in value]
+    return value
+
+
+def assign_into(target: Any, value: Any, where: str) -> None:
+    """Write ``value`` into the view ``target`` (shape-checked, broadcasting allowed)."""
+    if isinstance(target, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value, dtype=target.dtype, device=target.device)
+        try:
+            target.copy_(value.to(device=target.device))
+        except RuntimeError as exc:
+            raise ValueError(
+                f"cannot assign a tensor of shape {tuple(value.shape)} to {where} "
+                f"of shape {tuple(target.shape)}: {exc}"
+            ) from None
+        return
+    if isinstance(target, (tuple, list)):
+        if not isinstance(value, (tuple, list)) or len(value) != len(target):
+            raise ValueError(
+                f"{where} is a {type(target).__name__} of {len(target)} items; assign one of the same length"
+            )
+        for i, (t, v) in enumerate(zip(target, value)):
+            if t is None and v is None:
+                continue
+            assign_into(t, v, f"{where}[{i}]")
+        return
+    raise ValueError(f"{where} is a {type(target).__name__} and cannot be assigned")
+
+
+class Interleaver:
+    """Worker-side state: sessions, waiters, hooks, the current step's layout."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any):
+        self.model = model
+        self.eager = compat.runs_eager(vllm_config)
+        self.root = WorkerEnvoy(model, "", self)
+        self.tracer = WorkerTracer(self)
+        self.sessions: dict[str, RequestSession] = {}
+        self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
+        self.hooks: dict[tuple, Any] = {}
+        self.layout: StepLayout | None = None
+        self.current: RequestSession | None = None
+        self.results: dict[str, dict[str, Any]] = {}
+        self._parents: dict[int, torch.nn.Module] | None = None
+
+    # ------------------------------------------------------------ admission
+    def admit(self, req_id: str, extra_args: dict[str, Any] | None) -> None:
+        raw = (extra_args or {}).get(codec.PAYLOAD_KEY)
+        if raw is None or req_id in self.sessions:
+            return
+        session = RequestSession(req_id, self)
+        self.sessions[req_id] = session
+        try:
+            env = codec.parse_envelope(raw)
+            session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
+            payload = codec.load_code(env, self._resolver())
+            session.namespace.update(payload.values)
+        except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
+            session.fail(f"bad payload: {exc}")
+            self._record(session)
+
+    def _resolver(self) -> Callable[[tuple], Any]:
+        def resolve(ref: tuple) -> Any:
+            kind = ref[0]
+            if kind == "model":
+                return self.root
+            if kind == "tracer":
+                return self.tracer
+            if kind == "envoy":
+                envoy = self.root
+                for part in ref[1].split(".") if ref[1] else ():
+                    envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+                return envoy
+            raise codec.PayloadError(f"unknown reference {ref!r}")
+
+        return resolve
+
+    def finish(self, req_ids: set[str] | list[str]) -> None:
+        for req_id in req_ids:
+            session = self.sessions.pop(req_id, None)
+            if session is not None:
+                self._unwait(session)
+                session.close()
+            self.results.pop(req_id, None)
+
+    def fail_request(self, req_id: str, message: str) -> None:
+        session = self.sessions.get(req_id)
+        if session is not None and session.active:
+            self._unwait(session)
+            session.fail(message)
+            self._record(session)
+
+    # ------------------------------------------------------------ steps
+    def begin_step(self, layout: StepLayout) -> None:
+        """Start new blocks and wake blocks waiting for this step."""
+        self.layout = layout
+        for req_id in layout.spans:
+            session = self.sessions.get(req_id)
+            if session is None or not session.active:
+                continue
+            if session._glet is None:
+                self._run(session, session.start)
+            elif session.wait is not None and session.wait.kind == "step" and session.wait.step <= session.step:
+                self._unwait(session)
+                self._run(session, lambda s=session: s.resume(None))
+
+    def end_step(self) -> dict[str, dict[str, Any]]:
+        """Close the step: unreached accesses fail, steps advance, results collected."""
+        layout, self.layout = self.layout, None
+        if layout is None:
+            return {}
+        for req_id in layout.spans:
+            session = self.sessions.get(req_id)
+            if session is None:
+                continue
+            wait = session.wait
+            if session.active and wait is not None and wait.kind != "step" and wait.step <= session.step:
+                self._unwait(session)
+                session.fail(
+                    f"{wait.describe()} was not reached: the forward had already passed it "
+                    "(accesses must follow execution order) or vLLM never called that module "
+                    "(e.g. lm_head is applied inside compute_logits: use model.logits)"
+                )
+            session.step += 1
+            self._record(session)
+        self._prune_hooks()
+        results, self.results = self.results, {}
+        return results
+
+    def _record(self, session: RequestSession) -> None:
+        entry = self.results.setdefault(session.req_id, {})
+        snap = session.snapshot()
+        if snap is not None:
+            entry["saves"] = snap
+        entry["error"] = session.error
+        entry["done"] = session.done
+        entry["stop"] = session.stopped
+        entry["pending"] = session.pending()
+        if session.warnings:
+            entry["warnings"] = list(session.warnings)
+
+    def _run(self, session: RequestSession, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - engine-side failure of one block
+            session.fail(exc)
+
+    # ------------------------------------------------------------ waiting
+    def require_session(self) -> RequestSession:
+        if self.current is None:
+            raise RuntimeError("model locations can only be accessed inside a traced block")
+        return self.current
+
+    def check_module_access(self, path: str) -> None:
+        if not self.eager:
+            raise InterventionFailure(
+                f"reading or editing module {path or 'model'!r} needs an eager engine: this engine "
+                "runs compiled code / CUDA graphs, which skip Python hooks. Start it with "
+                "enforce_eager=True (VLLM(...) does by default) or declare taps. "
+                "model.logits and model.samples work in every mode."
+            )
+
+    def add_waiter(self, session: RequestSession, wait: Wait) -> None:
+        if wait.kind == "step":
+            return
+        key = wait.key
+        self.waiters[key].append(session)
+        if wait.module is not None:
+            self._ensure_hook(wait.module, wait.kind)
+            # A hook added while a module runs is ignored for that call (torch picks
+            # its hooks at call entry), so enclosing modules get theirs now: a later
+            # read of a parent's output (layer after its mlp) is then still served.
+            for parent in self._ancestors(wait.module):
+                self._ensure_hook(parent, "output")
+
+    def _ensure_hook(self, module: torch.nn.Module, kind: str) -> None:
+        key = (id(module), kind)
+        if key not in self.hooks:
+            self.hooks[key] = self._install(module, kind)
+
+    def _ancestors(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        if self._parents is None:
+            self._parents = {
+                id(child): parent for parent in self.model.modules() for child in parent.children()
+            }
+        out = []
+        parent = self._parents.get(id(module))
+        while parent is not None:
+            out.append(parent)
+            parent = self._parents.get(id(parent))
+        return out
+
+    def _unwait(self, session: RequestSession) -> None:
+        wait = session.wait
+        if wait is not None and wait.kind != "step":
+            lst = self.waiters.get(wait.key)
+            if lst and session in lst:
+                lst.remove(session)
+
+    def _prune_hooks(self) -> None:
+        for key in [k for k, lst in self.waiters.items() if not lst]:
+            del self.waiters[key]
+        for key in [k for k in self.hooks if k not in self.waiters]:
+            self.hooks.pop(key).remove()
+
+    def _install(self, module: torch.nn.Module, kind: str) -> Any:
+        if kind == "output":
+            def hook(mod, args, kwargs, output):  # noqa: ANN001
+                self.serve((id(mod), "output"), output)
+            return module.register_forward_hook(hook, with_kwargs=True)
+
+        def pre_hook(mod, args, kwargs):  # noqa: ANN001
+            if self.waiters.get((id(mod), "inputs")):
+                self.serve((id(mod), "inputs"), (args, kwargs))
+            if self.waiters.get((id(mod), "input")):
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                self.serve((id(mod), "input"), first)
+        return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    # ------------------------------------------------------------ serving
+    def keep_logits(self, logits: torch.Tensor) -> None:
+        """Keep each traced request's logits row: samples come after logits, and
+        a block may read ``model.logits`` after touching ``model.samples``."""
+        layout = self.layout
+        for req_id, row in layout.rows.items():
+            session = self.sessions.get(req_id)
+            if session is not None and session.active:
+                layout.logits[req_id] = logits[row : row + 1].clone()
+
+    def late_value(self, session: RequestSession, wait: Wait) -> Any:
+        """A location already passed this step that can still be read, else _NOTHING."""
+        layout = self.layout
+        if wait.kind != "logits" or layout is None or wait.step != session.step:
+            return _NOTHING
+        kept = layout.logits.get(session.req_id)
+        if kept is None:
+            return _NOTHING
+        if wait.value is not _NOTHING:
+            raise InterventionFailure(
+                f"model.logits at step {wait.step} can no longer be replaced: this step's "
+                "token was already sampled (assign model.logits before touching model.samples)"
+            )
+        return kept
+
+    def serve(self, key: tuple, value: Any, row_based: bool = False) -> None:
+        """Give every session parked on ``key`` for this step its rows of ``value``."""
+        layout = self.layout
+        waiting = self.waiters.get(key)
+        if layout is None or not waiting:
+            return
+        for session in list(waiting):
+            wait = session.wait
+            if wait is None or wait.step != session.step or session.req_id not in layout.spans:
+                continue
+            waiting.remove(session)
+            if row_based:
+                row = layout.rows[session.req_id]
+                view = value[row : row + 1] if key == ("logits",) else value[row]
+            else:
+                start, end = layout.spans[session.req_id]
+                view = narrow(value, start, end, layout.num_tokens)
+            where = wait.describe()
+
+            def assign(new: Any, view: Any = view, where: str = where) -> None:
+                assign_into(view, new, where)
+
+            if wait.value is not _NOTHING:
+                try:
+                    assign(wait.value)
+                except ValueError as exc:
+                    self._unwait(session)
+                    session.fail(exc)
+                    continue
+                self._run(session, lambda s=session: s.resume(None))
+            else:
+                serving = Serving(key, session.step, view, assign)
+                self._run(session, lambda s=session, v=view, sv=serving: s.resume(v, sv))

@@ -1,0 +1,111 @@
+"""Results onto vLLM's own output path (EngineCore process).
+
+The worker attaches each step's results to its ``ModelRunnerOutput``. Here, in
+the scheduler's ``update_from_output``, they are merged per request and stamped
+on the request's final ``EngineCoreOutput`` as ``kv_transfer_params["nnsight"]``
+(the one free-form per-request field that reaches ``RequestOutput`` and the
+OpenAI JSON). A block that failed or called ``tracer.stop()`` stops its request
+in the same step; other requests are untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..payload import codec
+from . import compat
+
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+_STORE = "_nnsight_results"
+
+
+def _store(scheduler: Any) -> dict[str, dict[str, Any]]:
+    store = scheduler.__dict__.get(_STORE)
+    if store is None:
+        store = scheduler.__dict__[_STORE] = {}
+    return store
+
+
+def merge(store: dict[str, dict[str, Any]], step_results: dict[str, dict[str, Any]]) -> None:
+    for req_id, update in step_results.items():
+        entry = store.setdefault(req_id, {"saves": {}, "warnings": []})
+        if "saves" in update:
+            entry["saves"] = update["saves"]
+            entry["dirty"] = True
+        for key in ("error", "done", "stop", "pending"):
+            if key in update:
+                entry[key] = update[key]
+        if update.get("warnings"):
+            entry["warnings"] = update["warnings"]
+
+
+def finalize(entry: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-safe results of a finished request."""
+    error = entry.get("error")
+    warnings = list(entry.get("warnings") or [])
+    pending = entry.get("pending")
+    if error is None and pending and not entry.get("done") and not entry.get("stop"):
+        if not pending.get("open_ended"):
+            warnings.append(
+                f"the request finished while the block waited for {pending['desc']}; "
+                "values saved so far are returned (min_tokens= or ignore_eos=True make "
+                "generation last the loop's full length)"
+            )
+    try:
+        return codec.encode_results(entry.get("saves") or {}, error, warnings)
+    except TypeError as exc:
+        return codec.encode_results(
+            {}, {"type": "TypeError", "message": str(exc), "lineno": None, "line": "", "traceback": ""},
+            warnings,
+        )
+
+
+def _update_from_output(original: Callable) -> Callable:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        step_results = compat.take_results(model_runner_output)
+        store = self.__dict__.get(_STORE)
+        if step_results:
+            store = _store(self)
+            merge(store, step_results)
+        if not store:
+            return original(self, scheduler_output, model_runner_output)
+        outputs = original(self, scheduler_output, model_runner_output)
+        for eco in compat.iter_engine_outputs(outputs):
+            entry = store.get(eco.request_id)
+            if entry is None:
+                continue
+            if eco.finish_reason is not None:
+                compat.stamp(eco, codec.PAYLOAD_KEY, finalize(store.pop(eco.request_id)))
+            elif entry.pop("dirty", False):
+                request = self.requests.get(eco.request_id)
+                # Stop strings end requests in the front end, where this scheduler
+                # never sees the finish: keep the latest results on every output.
+                if request is not None and compat.has_stop_strings(request):
+                    compat.stamp(eco, codec.PAYLOAD_KEY, finalize(entry))
+        for req_id in [r for r in store if r not in self.requests]:
+            del store[req_id]
+        return outputs
+
+    return update_from_output
+
+
+def _update_request_with_output(original: Callable) -> Callable:
+    def update_request_with_output(self: Any, request: Any, new_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        new_token_ids, stopped = original(self, request, new_token_ids, *args, **kwargs)
+        store = self.__dict__.get(_STORE)
+        if not stopped and store:
+            entry = store.get(request.request_id)
+            if entry is not None and (entry.get("error") or entry.get("stop")):
+                compat.stop_request(request, "nnsight_error" if entry.get("error") else "nnsight_stop")
+                stopped = True
+        return new_token_ids, stopped
+
+    return update_request_with_output
+
+
+def install(scheduler_cls: type) -> None:
+    compat.patch_method(scheduler_cls, "update_from_output", _update_from_output)
+    compat.patch_method(scheduler_cls, "_update_request_with_output", _update_request_with_output)

@@ -1,0 +1,142 @@
+"""Hooks into vLLM's V1 model runner (also the CPU runner, which subclasses it).
+
+Four wraps, each a no-op unless a traced request is in the engine:
+
+- ``execute_model``: admit new traced requests, drop finished ones.
+- ``_model_forward``: the batch layout is final here; publish it, start blocks.
+- ``_sample``: serve and edit ``model.samples`` in the sampler's output.
+- ``sample_tokens``: close the step and attach results to the runner output.
+
+``model.logits`` comes from a wrap of the model's ``compute_logits`` (eager in
+every mode, outside CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from . import compat
+from .interleave import Interleaver, StepLayout
+
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+_ATTR = "_nnsight_interleaver"
+_SO = "_nnsight_scheduler_output"
+
+
+def interleaver_of(runner: Any, create: bool = False) -> Interleaver | None:
+    inter = runner.__dict__.get(_ATTR)
+    if inter is None and create:
+        model = compat.runner_model(runner)
+        inter = Interleaver(model, runner.vllm_config)
+        _wrap_compute_logits(model, inter)
+        runner.__dict__[_ATTR] = inter
+    return inter
+
+
+def _wrap_compute_logits(model: Any, inter: Interleaver) -> None:
+    original = model.compute_logits
+
+    def compute_logits(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        logits = original(hidden_states, *args, **kwargs)
+        if inter.layout is not None:
+            if inter.waiters.get(("logits",)):
+                inter.serve(("logits",), logits, row_based=True)
+            inter.keep_logits(logits)
+        return logits
+
+    model.compute_logits = compute_logits
+
+
+def _execute_model(original: Callable) -> Callable:
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        new = compat.new_requests(scheduler_output)
+        traced = [(rid, xa) for rid, xa in new if xa and "nnsight" in xa]
+        inter = interleaver_of(self, create=bool(traced))
+        if inter is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        inter.finish(compat.finished_ids(scheduler_output))
+        for req_id, extra_args in traced:
+            inter.admit(req_id, extra_args)
+        for req_id in compat.resumed_ids(scheduler_output):
+            inter.fail_request(
+                req_id,
+                "the request was preempted and its forward recomputed; its intervention state "
+                "cannot be replayed (give the engine more KV cache or fewer concurrent requests)",
+            )
+        if not inter.sessions:
+            return original(self, scheduler_output, *args, **kwargs)
+        self.__dict__[_SO] = scheduler_output
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            self.__dict__[_SO] = None
+
+    return execute_model
+
+
+def _model_forward(original: Callable) -> Callable:
+    def model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        so = self.__dict__.get(_SO)
+        inter = self.__dict__.get(_ATTR)
+        if so is None or inter is None or not inter.sessions:
+            return original(self, *args, **kwargs)
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("positions")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        spans: dict[str, tuple[int, int]] = {}
+        rows: dict[str, int] = {}
+        start = 0
+        for row, (req_id, scheduled, computed, prompt_len) in enumerate(compat.v1_batch(self, so)):
+            spans[req_id] = (start, start + scheduled)
+            rows[req_id] = row
+            start += scheduled
+            if req_id in inter.sessions and computed < prompt_len:
+                if computed > 0 or scheduled < prompt_len - computed:
+                    inter.fail_request(
+                        req_id,
+                        f"the prompt ({prompt_len} tokens) was not computed in one engine step "
+                        f"({computed} cached, {scheduled} scheduled): chunked prefill split it. "
+                        "Traced requests need the whole prompt in one step: raise "
+                        "max_num_batched_tokens or shorten the prompt",
+                    )
+        num_tokens = int(ids.shape[0]) if ids is not None else start
+        inter.begin_step(StepLayout(spans, rows, num_tokens))
+        return original(self, *args, **kwargs)
+
+    return model_forward
+
+
+def _sample(original: Callable) -> Callable:
+    def sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        inter = self.__dict__.get(_ATTR)
+        if inter is not None and inter.layout is not None and inter.waiters.get(("samples",)):
+            inter.serve(("samples",), out.sampled_token_ids, row_based=True)
+        return out
+
+    return sample
+
+
+def _sample_tokens(original: Callable) -> Callable:
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        inter = self.__dict__.get(_ATTR)
+        if inter is not None and inter.layout is not None:
+            results = inter.end_step()
+            if results:
+                compat.attach_results(out, results)
+        return out
+
+    return sample_tokens
+
+
+def install(runner_cls: type) -> None:
+    compat.patch_method(runner_cls, "execute_model", _execute_model)
+    compat.patch_method(runner_cls, "_model_forward", _model_forward)
+    compat.patch_method(runner_cls, "_sample", _sample)
+    compat.patch_method(runner_cls, "sample_tokens", _sample_tokens)

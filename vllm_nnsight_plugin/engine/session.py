@@ -1,0 +1,285 @@
+"""One traced request's block, running in a greenlet beside the forward.
+
+The block is ordinary Python. When it reads ``module.output`` it parks (switches
+back to the forward) with a :class:`Wait`; the interleaver resumes it with that
+request's rows when the forward reaches the module. Everything runs on the
+forward's thread, one block at a time, so no locks and no nondeterminism.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import greenlet
+import torch
+
+if TYPE_CHECKING:
+    from .interleave import Interleaver
+
+_NOTHING = object()
+
+
+class StopBlock(Exception):
+    """``tracer.stop()``: end the block and the request, without an error."""
+
+
+class InterventionFailure(Exception):
+    """An error the engine raises into a block (bad access, unreached module...)."""
+
+
+@dataclass
+class Wait:
+    """What a parked block is waiting for."""
+
+    kind: str  # "output" | "input" | "logits" | "samples" | "step"
+    step: int
+    path: str = ""
+    module: Any = None
+    value: Any = _NOTHING  # an assignment waiting to be applied
+
+    @property
+    def key(self) -> tuple:
+        return (id(self.module), self.kind) if self.module is not None else (self.kind,)
+
+    def describe(self) -> str:
+        if self.kind == "step":
+            return f"the start of step {self.step}"
+        where = f"{self.path}.{self.kind}" if self.path else f"model.{self.kind}"
+        return f"{where} at step {self.step}"
+
+
+@dataclass
+class Serving:
+    """The location a block is being served right now (reads repeat, sets apply)."""
+
+    key: tuple
+    step: int
+    value: Any
+    assign: Callable[[Any], None]
+
+
+class _SaveRewriter(ast.NodeTransformer):
+    """``x.save()`` -> ``__nnsight_save__(x)``: save works on any object."""
+
+    def visit_Call(self, node: ast.Call) -> Any:
+        self.generic_visit(node)
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "save" and not node.args and not node.keywords:
+            return ast.copy_location(
+                ast.Call(ast.Name("__nnsight_save__", ast.Load()), [func.value], []), node
+            )
+        return node
+
+
+_CODE_CACHE: dict[tuple, Any] = {}
+
+
+def compile_block(source: str, filename: str, lineno: int) -> Any:
+    key = (source, filename, lineno)
+    code = _CODE_CACHE.get(key)
+    if code is None:
+        tree = ast.parse(source, filename)
+        ast.increment_lineno(tree, lineno - 1)
+        tree = ast.fix_missing_locations(_SaveRewriter().visit(tree))
+        code = compile(tree, filename, "exec")
+        if len(_CODE_CACHE) > 256:
+            _CODE_CACHE.clear()
+        _CODE_CACHE[key] = code
+    return code
+
+
+def copy_value(value: Any) -> Any:
+    """A private copy of what is saved: vLLM's kernels overwrite buffers later."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(copy_value(v) for v in value)
+    if isinstance(value, list):
+        return [copy_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: copy_value(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class RequestSession:
+    """Worker-side state of one traced request."""
+
+    req_id: str
+    interleaver: Interleaver
+    source: str = ""
+    filename: str = "<intervention>"
+    lineno: int = 1
+    namespace: dict[str, Any] = field(default_factory=dict)
+    step: int = 0  # engine steps this request has completed
+    target_step: int = 0  # the step the block's accesses refer to (tracer.iter)
+    iter_bounds: list[int | None] = field(default_factory=list)  # stop of each open iter
+    wait: Wait | None = None
+    serving: Serving | None = None
+    error: dict[str, Any] | None = None
+    stopped: bool = False
+    done: bool = False
+    warnings: list[str] = field(default_factory=list)
+    _saved: dict[int, Any] = field(default_factory=dict)
+    _shipped: dict[str, int] = field(default_factory=dict)
+    _glet: greenlet.greenlet | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def active(self) -> bool:
+        return not self.done and self.error is None
+
+    def fail(self, exc: BaseException | str, lineno: int | None = None) -> None:
+        if self.error is not None:
+            return
+        if isinstance(exc, str):
+            lineno = lineno if lineno is not None else self._parked_line()
+            self.error = {"type": "RuntimeError", "message": exc, "lineno": lineno,
+                          "line": self._line(lineno), "filename": self.filename, "traceback": ""}
+        else:
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == self.filename]
+            last = frames[-1].lineno if frames else (lineno or self._parked_line())
+            text = "".join(
+                f'  File "{f.filename}", line {f.lineno}\n    {self._line(f.lineno)}\n' for f in frames
+            )
+            self.error = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "lineno": last,
+                "line": self._line(last),
+                "filename": self.filename,
+                "traceback": text,
+            }
+        self.close()
+
+    def _parked_line(self) -> int | None:
+        frame = self._glet.gr_frame if self._glet is not None else None
+        while frame is not None:
+            if frame.f_code.co_filename == self.filename:
+                return frame.f_lineno
+            frame = frame.f_back
+        return None
+
+    def _line(self, lineno: int | None) -> str:
+        if lineno is None:
+            return ""
+        lines = self.source.splitlines()
+        idx = lineno - self.lineno
+        return lines[idx].strip() if 0 <= idx < len(lines) else ""
+
+    def close(self) -> None:
+        """Drop the greenlet (and the frames and tensors it holds)."""
+        self.wait = None
+        self.serving = None
+        glet, self._glet = self._glet, None
+        if glet is greenlet.getcurrent():
+            return  # failing from inside the block: it ends by returning
+        if glet is not None and not glet.dead and glet.gr_frame is not None:
+            try:
+                glet.throw(greenlet.GreenletExit)
+            except BaseException:  # noqa: BLE001 - the block is being discarded
+                pass
+
+    def _main(self, _: Any = None) -> None:
+        self.namespace["__builtins__"] = builtins
+        self.namespace["__nnsight_save__"] = self.save
+        try:
+            code = compile_block(self.source, self.filename, self.lineno)
+            exec(code, self.namespace)  # noqa: S102 - the block is the request's code
+        except greenlet.GreenletExit:
+            return
+        except StopBlock:
+            self.stopped = True
+        except BaseException as exc:  # noqa: BLE001 - any error ends only this request
+            self.fail(exc)
+            return
+        self.done = True
+        self.wait = None
+
+    # ------------------------------------------------------------ switching
+    def start(self) -> None:
+        """Run the block until its first access."""
+        self._glet = greenlet.greenlet(self._main)
+        self._switch(None)
+
+    def resume(self, value: Any, serving: Serving | None = None) -> None:
+        self.wait = None
+        self.serving = serving
+        try:
+            self._switch(value)
+        finally:
+            self.serving = None
+
+    def _switch(self, value: Any) -> None:
+        inter = self.interleaver
+        previous, inter.current = inter.current, self
+        try:
+            self._glet.switch(value)
+        finally:
+            inter.current = previous
+
+    # ------------------------------------------------------------ block side
+    def request(self, wait: Wait) -> Any:
+        """Called inside the block: park until ``wait`` is served."""
+        if wait.step < self.step:
+            raise InterventionFailure(
+                f"{wait.describe()} already happened: this request is at step {self.step}"
+            )
+        serving = self.serving
+        if serving is not None and serving.key == wait.key and serving.step == wait.step:
+            if wait.value is _NOTHING:
+                return serving.value
+            serving.assign(wait.value)
+            return None
+        late = self.interleaver.late_value(self, wait)
+        if late is not _NOTHING:
+            return late
+        self.wait = wait
+        self.interleaver.add_waiter(self, wait)
+        return self._glet.parent.switch()
+
+    def save(self, value: Any) -> Any:
+        copy = copy_value(value)
+        self._saved[id(copy)] = copy
+        return copy
+
+    # ------------------------------------------------------------ results
+    def snapshot(self) -> dict[str, Any] | None:
+        """The saved values bound to names, or None when unchanged since last time."""
+        saved = self._saved
+        current = {
+            name: value
+            for name, value in self.namespace.items()
+            if saved.get(id(value)) is value and not name.startswith("__")
+        }
+        ids = {name: id(v) for name, v in current.items()}
+        if ids == self._shipped:
+            return None
+        self._shipped = ids
+        return {name: _to_cpu(v) for name, v in current.items()}
+
+    def pending(self) -> dict[str, Any] | None:
+        if self.wait is None or self.done or self.error is not None:
+            return None
+        return {
+            "desc": self.wait.describe(),
+            "in_iter": bool(self.iter_bounds),
+            "open_ended": any(b is None for b in self.iter_bounds),
+        }
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_to_cpu(v) for v in value)
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,39 @@
+"""The project's extension points, declared once (pluggy, as pytest does).
+
+Implementations live elsewhere (``builtin_hooks.py`` here; third parties via the
+``vllm_nnsight_plugin`` entry-point group) and are collected by
+:func:`vllm_nnsight_plugin.hooks.plugin_manager`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT = "vllm_nnsight_plugin"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec(firstresult=True)
+def nnsight_payload_policy(kind: str, origin: str) -> str | None:
+    """Decide whether a payload may run; return a refusal reason, or None to allow.
+
+    ``kind`` is the payload kind (``"code"``: pickled Python, remote code
+    execution); ``origin`` is ``"python"`` for an in-process ``vllm.LLM`` /
+    ``AsyncLLM`` caller or ``"http"`` for the OpenAI server. Called in the front
+    end before a request reaches the engine. The first non-None answer wins;
+    return ``""`` to allow explicitly and stop later implementations.
+    """
+
+
+@hookspec
+def nnsight_arch_adapter(architecture: str) -> Any:
+    """Return an adapter for a vLLM model architecture (e.g. ``"LlamaForCausalLM"``).
+
+    An adapter knows an architecture's module quirks: where its decoder layers
+    are, and how a layer's vLLM output maps to the Hugging Face residual stream
+    (a Llama layer returns ``(hidden, residual)``; HF's hidden state is their
+    sum). Return None for architectures you do not know.
+    """

@@ -1,0 +1,1 @@
+"""The wire format shared by Python, HTTP and JSON clients."""

@@ -1,0 +1,189 @@
+"""The wire format of one request's intervention and of its results.
+
+Payload: a JSON string under ``SamplingParams.extra_args["nnsight"]`` (so the
+very same string can ride OpenAI's ``vllm_xargs``, which takes only flat
+str/int/float values)::
+
+    {"v": 1, "kind": "code", "source": "<block source>", "filename": "...",
+     "lineno": 12, "values": "<base64 cloudpickle of the names the block reads>"}
+
+Only the names the block reads travel, never the module tree: envoys, the model
+and the tracer are pickled as persistent references (``("envoy", path)``) that the
+worker resolves to its own objects, so the size is flat in model depth.
+
+Results: a JSON-safe dict under ``RequestOutput.kv_transfer_params["nnsight"]``::
+
+    {"saves": {name: tagged value}, "error": null | {...}, "warnings": [...]}
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import io
+import json
+import os
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from . import values as tagged
+
+PAYLOAD_KEY = "nnsight"
+VERSION = 1
+DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be accepted; the message names what is wrong."""
+
+
+def max_payload_bytes() -> int:
+    return int(os.environ.get("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES))
+
+
+@dataclass
+class CodePayload:
+    """A block of Python to run beside one request's forward."""
+
+    source: str
+    filename: str = "<intervention>"
+    lineno: int = 1
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+class _RefPickler(cloudpickle.CloudPickler):
+    def __init__(self, file: io.BytesIO, ref_of: Callable[[Any], tuple | None]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._ref_of = ref_of
+
+    def persistent_id(self, obj: Any) -> tuple | None:  # noqa: D102
+        return self._ref_of(obj)
+
+
+class _RefUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, resolve: Callable[[tuple], Any]):
+        super().__init__(file)
+        self._resolve = resolve
+
+    def persistent_load(self, pid: Any) -> Any:  # noqa: D102
+        return self._resolve(tuple(pid))
+
+
+def _nnsight_ref(obj: Any) -> tuple | None:
+    ref = getattr(type(obj), "__nnsight_ref__", None)
+    return ref(obj) if ref is not None else None
+
+
+def encode_code(payload: CodePayload) -> str:
+    """Serialize a block and the values it reads into the JSON payload string."""
+    buf = io.BytesIO()
+    try:
+        _RefPickler(buf, _nnsight_ref).dump(payload.values)
+    except Exception as exc:  # noqa: BLE001 - name the variable that failed
+        for name, value in payload.values.items():
+            try:
+                _RefPickler(io.BytesIO(), _nnsight_ref).dump(value)
+            except Exception as inner:  # noqa: BLE001
+                raise PayloadError(
+                    f"variable {name!r} (type {type(value).__name__}) used in the block "
+                    f"cannot be sent to the engine: {inner}"
+                ) from None
+        raise PayloadError(f"cannot serialize the block's values: {exc}") from None
+    text = json.dumps(
+        {
+            "v": VERSION,
+            "kind": "code",
+            "source": payload.source,
+            "filename": payload.filename,
+            "lineno": payload.lineno,
+            "values": base64.b64encode(buf.getvalue()).decode(),
+        },
+        separators=(",", ":"),
+    )
+    limit = max_payload_bytes()
+    if len(text) > limit:
+        raise PayloadError(f"payload is {len(text)} bytes, over the limit of {limit}")
+    return text
+
+
+def parse_envelope(raw: Any) -> dict[str, Any]:
+    """Check a payload's structure without executing anything (front end)."""
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", errors="replace")
+    if not isinstance(raw, str):
+        raise PayloadError(f"extra_args[{PAYLOAD_KEY!r}] must be a JSON string, got {type(raw).__name__}")
+    limit = max_payload_bytes()
+    if len(raw) > limit:
+        raise PayloadError(f"payload is {len(raw)} bytes, over the limit of {limit}")
+    try:
+        env = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise PayloadError(f"payload is not valid JSON: {exc}") from None
+    if not isinstance(env, dict):
+        raise PayloadError("payload must be a JSON object")
+    if env.get("v") != VERSION:
+        raise PayloadError(f"payload field 'v' must be {VERSION}, got {env.get('v')!r}")
+    kind = env.get("kind")
+    if kind != "code":
+        raise PayloadError(f"payload field 'kind' must be 'code', got {kind!r}")
+    for key, typ in (("source", str), ("filename", str), ("lineno", int), ("values", str)):
+        if not isinstance(env.get(key), typ):
+            raise PayloadError(f"payload field {key!r} must be a {typ.__name__}")
+    try:
+        base64.b64decode(env["values"], validate=True)
+    except ValueError:
+        raise PayloadError("payload field 'values' is not valid base64") from None
+    try:
+        ast.parse(env["source"], env["filename"])
+    except SyntaxError as exc:
+        raise PayloadError(f"payload source does not compile: {exc}") from None
+    return env
+
+
+def load_code(env: dict[str, Any], resolve: Callable[[tuple], Any]) -> CodePayload:
+    """Unpickle a checked envelope (worker side: this executes pickled code)."""
+    data = base64.b64decode(env["values"])
+    try:
+        values = _RefUnpickler(io.BytesIO(data), resolve).load()
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is the payload's
+        raise PayloadError(f"cannot load the block's values: {type(exc).__name__}: {exc}") from None
+    if not isinstance(values, dict):
+        raise PayloadError("payload values must be a dict")
+    return CodePayload(env["source"], env["filename"], env["lineno"], values)
+
+
+# ----------------------------------------------------------------- results
+
+
+def encode_results(
+    saves: dict[str, Any], error: dict[str, Any] | None, warnings: list[str]
+) -> dict[str, Any]:
+    """The JSON-safe result dict stamped on the request's output."""
+    return {
+        "saves": {name: tagged.encode(v) for name, v in saves.items()},
+        "error": error,
+        "warnings": list(warnings),
+    }
+
+
+@dataclass
+class Results:
+    """Decoded results of one request."""
+
+    saves: dict[str, Any]
+    error: dict[str, Any] | None
+    warnings: list[str]
+
+
+def decode_results(raw: Any, resolve_result: Callable | None = None) -> Results | None:
+    """Decode ``kv_transfer_params["nnsight"]`` (None when the request had none)."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = json.loads(raw)
+    saves = {k: tagged.decode(v, resolve_result) for k, v in (raw.get("saves") or {}).items()}
+    return Results(saves, raw.get("error"), list(raw.get("warnings") or []))

@@ -1,0 +1,130 @@
+"""Tagged JSON for values that cross processes and HTTP.
+
+Saved values travel from the worker to the caller through vLLM's own output path
+(msgpack inside vLLM, JSON in the OpenAI server). Pickle would make every client
+execute whatever the server sends, so results use this small, closed format
+instead:
+
+- ``None``, ``bool``, ``int``, ``str`` and finite ``float`` are themselves;
+  lists are lists.
+- Every other value is a one-key object whose key starts with ``$``:
+  ``{"$tensor": {"dtype", "shape", "data"}}`` (``data``: base64 of the raw
+  little-endian bytes, C order), ``{"$tuple": [...]}``, ``{"$dict": [[k, v], ...]}``,
+  ``{"$float": "nan" | "inf" | "-inf"}``, ``{"$size": [...]}``,
+  ``{"$dtype": "float32"}``, ``{"$result": [[op, arg], ...]}`` (a path into the
+  finished request's ``RequestOutput``, resolved by the client).
+
+numpy decode of a tensor, for clients without torch::
+
+    np.frombuffer(base64.b64decode(t["data"]), dtype=t["dtype"]).reshape(t["shape"])
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import sys
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16",
+        "int8", "uint8", "bool", "complex64",
+    )
+}
+
+
+class UnsupportedValue(TypeError):
+    """A saved value has a type the result format cannot carry."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise UnsupportedValue(f"tensors of dtype {dtype} cannot be returned")
+    return name
+
+
+def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor as ``{"dtype", "shape", "data"}`` (little-endian bytes, base64)."""
+    t = t.detach().to("cpu").contiguous()
+    name = _dtype_name(t.dtype)
+    raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    data = raw.numpy().tobytes()
+    if sys.byteorder != "little" and t.element_size() > 1:  # pragma: no cover
+        data = t.numpy().byteswap().tobytes()
+    return {"dtype": name, "shape": list(t.shape), "data": base64.b64encode(data).decode()}
+
+
+def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
+    """Inverse of :func:`encode_tensor`; validates dtype, shape and byte count."""
+    try:
+        dtype = _DTYPES[obj["dtype"]]
+        shape = [int(s) for s in obj["shape"]]
+        data = base64.b64decode(obj["data"], validate=True)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed tensor: {exc}") from None
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(data) != numel * itemsize:
+        raise ValueError(f"tensor data has {len(data)} bytes, shape {shape} needs {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf.view(dtype).reshape(shape).clone()
+
+
+def encode(value: Any) -> Any:
+    """A JSON-safe form of ``value`` (see module docstring)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": repr(value)}
+    if isinstance(value, torch.Tensor):
+        return {"$tensor": encode_tensor(value)}
+    if isinstance(value, torch.Size):
+        return {"$size": list(value)}
+    if isinstance(value, torch.dtype):
+        return {"$dtype": _dtype_name(value)}
+    if isinstance(value, list):
+        return [encode(v) for v in value]
+    if isinstance(value, tuple):
+        return {"$tuple": [encode(v) for v in value]}
+    if isinstance(value, dict):
+        return {"$dict": [[encode(k), encode(v)] for k, v in value.items()]}
+    ref = getattr(value, "__nnsight_result_path__", None)
+    if ref is not None:
+        return {"$result": [list(step) for step in ref]}
+    raise UnsupportedValue(
+        f"a saved value of type {type(value).__name__} cannot leave the engine; "
+        "save tensors, numbers, strings, or lists/tuples/dicts of them"
+    )
+
+
+def decode(obj: Any, resolve_result: Any = None) -> Any:
+    """Inverse of :func:`encode`. ``resolve_result(path)`` handles ``$result`` refs."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [decode(v, resolve_result) for v in obj]
+    if not isinstance(obj, dict) or len(obj) != 1:
+        raise ValueError(f"malformed result value: {str(obj)[:80]}")
+    (tag, body), = obj.items()
+    if tag == "$tensor":
+        return decode_tensor(body)
+    if tag == "$tuple":
+        return tuple(decode(v, resolve_result) for v in body)
+    if tag == "$dict":
+        return {decode(k, resolve_result): decode(v, resolve_result) for k, v in body}
+    if tag == "$float":
+        return float(body)
+    if tag == "$size":
+        return torch.Size(body)
+    if tag == "$dtype":
+        return _DTYPES[body]
+    if tag == "$result":
+        return resolve_result(body) if resolve_result else {"$result": body}
+    raise ValueError(f"unknown result tag {tag!r}")
