@@ -34,6 +34,7 @@ class BlockSource:
     lineno: int
     names: tuple[str, ...]
     statements: tuple[ast.stmt, ...]
+    as_name: str | None = None  # ``with ... as NAME``: bound only after __enter__
 
 
 _CACHE: dict[tuple, BlockSource] = {}
@@ -89,7 +90,9 @@ def find_block(frame: FrameType) -> BlockSource:
     start = first.lineno
     end = best.body[-1].end_lineno or start
     source = textwrap.dedent("".join(lines[start - 1 : end]))
-    block = BlockSource(source, filename, start, _names_read(best.body), tuple(best.body))
+    target = best.items[0].optional_vars
+    as_name = target.id if isinstance(target, ast.Name) else None
+    block = BlockSource(source, filename, start, _names_read(best.body), tuple(best.body), as_name)
     _CACHE[key] = block
     return block
 

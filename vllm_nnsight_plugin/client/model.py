@@ -110,6 +110,14 @@ class VLLM(Envoy):
             object.__setattr__(self, "_tree", {path: cls for path, cls in tree})
         return self
 
+    def shutdown(self) -> None:
+        """Stop the engine (a later trace starts a new one)."""
+        if self._llm is not None:
+            from ..engine.compat import shutdown_llm
+
+            shutdown_llm(self._llm)
+            object.__setattr__(self, "_llm", None)
+
     @property
     def dispatched(self) -> bool:
         return self._llm is not None

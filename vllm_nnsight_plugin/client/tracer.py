@@ -41,6 +41,8 @@ class _Capturing:
     def _capture(self, frame: FrameType) -> tuple[BlockSource, dict[str, Any]]:
         block = find_block(frame)
         values = gather_values(frame, block.names)
+        if block.as_name and block.as_name in block.names:
+            values[block.as_name] = self
         self._skipper = BodySkipper(frame)
         self._skipper.arm()
         return block, values

@@ -195,6 +195,14 @@ def stamp(engine_core_output: Any, key: str, value: Any) -> None:
 # ----------------------------------------------------------------- front end
 
 
+def shutdown_llm(llm: Any) -> None:
+    """Stop a ``vllm.LLM``'s engine processes now (instead of at interpreter exit)."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
 def salt_request(engine_core_request: Any, salt: str) -> None:
     """A unique cache salt: no prefix-cache reads from, or writes for, others."""
     old = engine_core_request.cache_salt

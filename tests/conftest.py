@@ -1,0 +1,129 @@
+"""Shared fixtures: tiny checkpoints, real vLLM engines (one per architecture,
+session-scoped: an engine takes ~30-50 s to start on 2 cores), and a Hugging Face
+fp32 reference with the same weights."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from vllm_nnsight_plugin import tiny  # noqa: E402
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="session")
+def llama_path(ckpt_root: Path) -> str:
+    return str(tiny.ensure("llama", ckpt_root))
+
+
+@pytest.fixture(scope="session")
+def gpt2_path(ckpt_root: Path) -> str:
+    return str(tiny.ensure("gpt2", ckpt_root))
+
+
+@pytest.fixture(scope="session")
+def llama(llama_path: str):
+    """A dispatched VLLM on the tiny Llama (default multi-process vLLM, prefix caching on)."""
+    from vllm_nnsight_plugin import VLLM
+
+    model = VLLM(llama_path, dispatch=True, dtype="float32", max_model_len=512,
+                 max_num_seqs=32, enable_prefix_caching=True, seed=0)
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="session")
+def gpt2(gpt2_path: str):
+    """A *lazy* VLLM on the tiny GPT-2: the first trace dispatches it. Its token
+    budget is small, so long prompts are split by chunked prefill."""
+    from vllm_nnsight_plugin import VLLM
+
+    model = VLLM(gpt2_path, dtype="float32", max_model_len=512, max_num_seqs=8,
+                 max_num_batched_tokens=64, enable_chunked_prefill=True, seed=0)
+    yield model
+    model.shutdown()
+
+
+def _hf(path: str):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_llama(llama_path: str):
+    return _hf(llama_path)
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2(gpt2_path: str):
+    return _hf(gpt2_path)
+
+
+def first(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+class HFRun:
+    """One HF forward with optional output/input edits; records module values."""
+
+    def __init__(self, model, ids: list[int]):
+        self.model = model
+        self.ids = ids
+        self.records: dict[str, torch.Tensor] = {}
+        self._handles = []
+
+    def record(self, name: str, module) -> HFRun:
+        def hook(mod, args, output):
+            self.records[name] = first(output).detach().clone()[0]
+        self._handles.append(module.register_forward_hook(hook))
+        return self
+
+    def edit(self, module, fn) -> HFRun:
+        def hook(mod, args, output):
+            if isinstance(output, tuple):
+                return (fn(output[0]),) + output[1:]
+            return fn(output)
+        self._handles.append(module.register_forward_hook(hook))
+        return self
+
+    def edit_input(self, module, fn) -> HFRun:
+        def hook(mod, args, kwargs):
+            if args:
+                return (fn(args[0]),) + args[1:], kwargs
+            key = next(iter(kwargs))
+            kwargs[key] = fn(kwargs[key])
+            return args, kwargs
+        self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        return self
+
+    def logits(self) -> torch.Tensor:
+        try:
+            with torch.no_grad():
+                out = self.model(torch.tensor([self.ids]))
+            return out.logits[0]
+        finally:
+            for h in self._handles:
+                h.remove()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
+    a = a.float().reshape(b.shape) if a.numel() == b.numel() else a
+    assert a.shape == b.shape, (a.shape, b.shape)
+    diff = (a.float() - b.float()).abs().max().item()
+    assert diff <= tol, f"max abs diff {diff} > {tol}"
