@@ -76,7 +76,9 @@ def find_block(frame: FrameType) -> BlockSource:
     tree = _parse(filename, lines)
     best: ast.With | None = None
     for node in ast.walk(tree):
-        if isinstance(node, (ast.With, ast.AsyncWith)) and node.lineno <= lineno < node.body[0].lineno:
+        if isinstance(node, (ast.With, ast.AsyncWith)) and (
+            node.lineno <= lineno < node.body[0].lineno or node.lineno == lineno
+        ):
             if best is None or node.lineno >= best.lineno:
                 best = node
     if best is None:

@@ -15,15 +15,9 @@ DEFAULT_TRACE_MAX_TOKENS = 1
 
 def _is_with_statement(frame: Any) -> bool:
     """True when the caller's current call is the expression of a ``with``."""
-    code = frame.f_code
-    after = False
-    for ins in dis.get_instructions(code):
-        if after:
-            if ins.opname in ("CACHE", "EXTENDED_ARG", "NOP"):
-                continue
+    for ins in dis.get_instructions(frame.f_code):
+        if ins.offset > frame.f_lasti and ins.opname not in ("CACHE", "EXTENDED_ARG"):
             return ins.opname in ("BEFORE_WITH", "LOAD_SPECIAL", "SETUP_WITH")
-        if ins.offset == frame.f_lasti:
-            after = True
     return False
 
 

@@ -115,7 +115,7 @@ def parse_envelope(raw: Any) -> dict[str, Any]:
     if isinstance(raw, bytes):
         raw = raw.decode("utf-8", errors="replace")
     if not isinstance(raw, str):
-        raise PayloadError(f"extra_args[{PAYLOAD_KEY!r}] must be a JSON string, got {type(raw).__name__}")
+        raise PayloadError(f"the payload extra_args[{PAYLOAD_KEY!r}] must be a JSON string, got {type(raw).__name__}")
     limit = max_payload_bytes()
     if len(raw) > limit:
         raise PayloadError(f"payload is {len(raw)} bytes, over the limit of {limit}")

@@ -1,0 +1,211 @@
+"""Per-request isolation inside the real engine: untraced neighbours are
+bit-identical, the prefix cache never mixes edited and clean KV, and a failing
+block ends only its own request."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import HFRun, assert_close
+from vllm import SamplingParams
+
+from vllm_nnsight_plugin import InterventionError, make_payload, results
+
+LONG = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 20)
+
+
+def _plain(max_tokens: int = 4) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
+
+
+def _traced(block, max_tokens: int = 4) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3, ignore_eos=True,
+                          extra_args={"nnsight": make_payload(block)})
+
+
+def _tokens_and_logprobs(output):
+    comp = output.outputs[0]
+    return list(comp.token_ids), [
+        {tok: (lp.logprob, lp.rank) for tok, lp in step.items()} for step in comp.logprobs
+    ]
+
+
+def steer_block(model, tracer):
+    for _ in tracer.all():
+        model.model.layers[0].output[0][:] += 3.0
+
+
+def test_plugin_is_live_in_the_worker_process(llama):
+    probes = llama.vllm_entrypoint.collective_rpc("nnsight_probe")
+    assert probes and all(p["patched"] for p in probes)
+    assert all(p["pid"] != os.getpid() for p in probes)  # a real separate worker process
+
+
+def test_untraced_neighbours_are_bit_identical(llama):
+    llm = llama.vllm_entrypoint
+    prompts = ["The capital of Japan is", "Hello world!", "One two three four"]
+    base = llm.generate(prompts, [_plain(), _plain(), _plain()], use_tqdm=False)
+    mixed = llm.generate(prompts, [_traced(steer_block), _plain(), _traced(steer_block)], use_tqdm=False)
+    assert _tokens_and_logprobs(mixed[1]) == _tokens_and_logprobs(base[1])
+    # ...while the traced ones really changed
+    assert _tokens_and_logprobs(mixed[0]) != _tokens_and_logprobs(base[0])
+
+
+def test_prefix_cache_never_mixes_edited_and_clean_kv(llama, hf_llama):
+    llm = llama.vllm_entrypoint
+    clean_before = llm.generate([LONG], _plain(3), use_tqdm=False)[0]
+    prompt_len = len(clean_before.prompt_token_ids)
+    assert prompt_len > 200  # spans full KV blocks, so the prefix cache takes it
+
+    with llama.trace(LONG, temperature=0.0) as tracer:
+        llama.model.layers[1].mlp.output[:] *= 0.5
+        h = llama.model.layers[3].output.save()
+        logits = llama.logits.save()
+    ids = tracer.outputs[0].prompt_token_ids
+    # the traced request computed every position itself, under its edit
+    assert h[0].shape[0] == prompt_len
+    hf = HFRun(hf_llama, ids).edit(hf_llama.model.layers[1].mlp, lambda x: x * 0.5)
+    ref = hf.record("l3", hf_llama.model.layers[3]).logits()
+    assert_close(h[0] + h[1], hf.records["l3"])
+    assert_close(logits[0], ref[-1])
+
+    clean_after = llm.generate([LONG], _plain(3), use_tqdm=False)[0]
+    assert clean_after.num_cached_tokens and clean_after.num_cached_tokens > 0  # cache was used...
+    assert _tokens_and_logprobs(clean_after) == _tokens_and_logprobs(clean_before)  # ...and clean
+    clean_ref = HFRun(hf_llama, ids).logits()
+    first_token = clean_after.outputs[0].token_ids[0]
+    assert int(clean_ref[-1].argmax()) == first_token
+
+
+def test_error_in_one_invoke_ends_only_that_request(llama):
+    with pytest.raises(ZeroDivisionError) as info:
+        with llama.trace(temperature=0.0, max_tokens=4) as tracer:
+            with tracer.invoke("Hello world"):
+                ok = llama.logits.save()
+            with tracer.invoke("The capital of Japan is"):
+                bad = 1 / 0  # noqa: F841
+    err = info.value
+    assert isinstance(err, InterventionError)
+    assert "division by zero" in str(err) and "bad = 1 / 0" in str(err)
+    assert err.lineno is not None
+    good, failed = tracer.outputs
+    assert len(good.outputs[0].token_ids) == 4  # the healthy request ran to its end
+    assert failed.outputs[0].stop_reason == "nnsight_error"
+    assert ok.shape[0] == 1  # saves of the healthy invoke still landed
+    # the engine keeps serving
+    with llama.trace("Hello", temperature=0.0):
+        after = llama.logits.save()
+    assert torch.isfinite(after).all()
+
+
+def test_unknown_module_path_names_the_alternatives(llama):
+    with pytest.raises(AttributeError) as info:
+        with llama.trace("Hello", temperature=0.0):
+            llama.model.layers[0].mlpp.output.save()
+    msg = str(info.value)
+    assert "mlpp" in msg and "mlp" in msg and "self_attn" in msg
+
+
+def test_client_side_tree_rejects_wrong_paths_at_once(llama):
+    with pytest.raises(AttributeError, match="submodules: .*layers"):
+        llama.model.layerz  # noqa: B018
+    assert len(llama.model.layers) == 4
+    assert "LlamaDecoderLayer" in repr(llama.model.layers[0])
+
+
+def test_out_of_order_access_is_an_error_not_a_hang(llama):
+    with pytest.raises(InterventionError, match="not reached"):
+        with llama.trace("Hello", temperature=0.0):
+            llama.model.layers[3].output.save()
+            llama.model.layers[1].output.save()
+
+
+def test_lm_head_is_never_called_and_says_so(llama):
+    with pytest.raises(InterventionError, match="use model.logits"):
+        with llama.trace("Hello", temperature=0.0):
+            llama.lm_head.output.save()
+
+
+def test_saved_values_are_copies(llama):
+    with llama.trace("Hello world", temperature=0.0):
+        before = llama.model.layers[1].output[0].save()
+        llama.model.layers[1].output[0][:] = 0
+        after = llama.model.layers[1].output[0].save()
+    assert torch.count_nonzero(before) > 0
+    assert torch.count_nonzero(after) == 0
+
+
+def test_stop_ends_the_request_without_error(llama):
+    with llama.trace("Hello", temperature=0.0, max_tokens=8, ignore_eos=True) as tracer:
+        for step in tracer.iter[:]:
+            if step == 2:
+                tracer.stop()
+    assert len(tracer.outputs[0].outputs[0].token_ids) == 3
+    assert tracer.outputs[0].outputs[0].stop_reason == "nnsight_stop"
+
+
+def test_malformed_payloads_fail_before_the_engine(llama):
+    llm = llama.vllm_entrypoint
+    for bad in ["not json", '{"v": 1, "kind": "code"}', '{"v": 9}', 42]:
+        with pytest.raises(ValueError, match="payload"):
+            llm.generate(["Hello"], SamplingParams(extra_args={"nnsight": bad}), use_tqdm=False)
+
+
+def test_unloadable_payload_ends_only_its_request(llama):
+    import json
+
+    good = json.loads(make_payload(steer_block))
+    good["values"] = "gARLAS4="[:-2] + "=="  # valid base64, truncated pickle
+    llm = llama.vllm_entrypoint
+    outs = llm.generate(
+        ["Hello", "Hello"],
+        [SamplingParams(max_tokens=3, extra_args={"nnsight": json.dumps(good)}), _plain(3)],
+        use_tqdm=False,
+    )
+    with pytest.raises(InterventionError, match="bad payload"):
+        results(outs[0])
+    assert len(outs[1].outputs[0].token_ids) == 3
+
+
+def test_raw_llm_user_with_payload_helper(llama, hf_llama):
+    def block(model, tracer):
+        hidden = model.model.layers[2].output  # noqa: F841
+        logits = model.logits.save()  # noqa: F841
+
+    out = llama.vllm_entrypoint.generate(
+        ["Hello world"], SamplingParams(max_tokens=1, extra_args={"nnsight": make_payload(block)}),
+        use_tqdm=False,
+    )[0]
+    saves = results(out)
+    assert set(saves) == {"logits"}
+    assert out.saves.keys() == saves.keys()  # RequestOutput.saves, from the plugin
+    ref = HFRun(hf_llama, list(out.prompt_token_ids)).logits()
+    assert_close(saves["logits"][0], ref[-1])
+
+
+def test_sampling_keywords_and_precedence(llama):
+    with llama.trace(temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+        with tracer.invoke("Hello"):
+            a = llama.logits.save()  # noqa: F841
+        with tracer.invoke("Hello", max_new_tokens=4):
+            b = llama.logits.save()  # noqa: F841
+    assert [len(o.outputs[0].token_ids) for o in tracer.outputs] == [2, 4]
+    with pytest.raises(TypeError):
+        with llama.trace("Hello", not_a_sampling_field=1):
+            llama.logits.save()
+
+
+def test_generate_with_and_without_a_block(llama):
+    with llama.generate("Hello", max_tokens=2, temperature=0.0, ignore_eos=True) as tracer:
+        out = llama.samples.save()
+    assert out.shape == (1,)
+    assert len(tracer.outputs[0].outputs[0].token_ids) == 2
+    outputs = llama.generate(["Hello", "Hello world"], max_tokens=3, temperature=0.0)
+    assert len(outputs) == 2 and all(len(o.outputs[0].token_ids) <= 3 for o in outputs)
+
+
+def test_scan_is_refused_up_front(llama):
+    with pytest.raises(NotImplementedError, match="scan"):
+        llama.scan("Hello")

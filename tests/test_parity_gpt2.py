@@ -1,0 +1,61 @@
+"""GPT-2 through a lazily dispatched VLLM: vLLM's own module tree
+(``transformer.h[i]``), ``.input`` reads and writes, and chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HFRun, assert_close
+from vllm import SamplingParams
+
+from vllm_nnsight_plugin import InterventionError
+
+PROMPT = "The capital of Japan is"
+
+
+def test_construction_is_lazy_and_first_trace_dispatches(gpt2, hf_gpt2):
+    assert not gpt2.dispatched  # VLLM(path) started nothing
+    with gpt2.trace(PROMPT, temperature=0.0) as tracer:
+        blocks = [block.output for block in gpt2.transformer.h].save()
+        logits = gpt2.logits.save()
+    assert gpt2.dispatched
+    ids = tracer.outputs[0].prompt_token_ids
+    hf = HFRun(hf_gpt2, ids)
+    for i, block in enumerate(hf_gpt2.transformer.h):
+        hf.record(f"h{i}", block)
+    ref = hf.logits()
+    for i, out in enumerate(blocks):
+        assert_close(out, hf.records[f"h{i}"])
+    assert_close(logits[0], ref[-1])
+
+
+def test_input_read_and_assign(gpt2, hf_gpt2):
+    with gpt2.trace(PROMPT, temperature=0.0) as tracer:
+        seen = gpt2.transformer.h[2].input.save()
+        gpt2.transformer.h[2].input = seen * 0.25
+        logits = gpt2.logits.save()
+    ids = tracer.outputs[0].prompt_token_ids
+    rec = HFRun(hf_gpt2, ids).record("h1", hf_gpt2.transformer.h[1])
+    rec.logits()
+    assert_close(seen, rec.records["h1"])  # block 2's input is block 1's output
+    ref = HFRun(hf_gpt2, ids).edit_input(hf_gpt2.transformer.h[2], lambda x: x * 0.25).logits()
+    assert_close(logits[0], ref[-1])
+
+
+def test_steering_gpt2(gpt2, hf_gpt2):
+    v = torch.linspace(-1, 1, 128)
+    with gpt2.trace(PROMPT, temperature=0.0) as tracer:
+        gpt2.transformer.h[1].output[:] += v
+        logits = gpt2.logits.save()
+    ids = tracer.outputs[0].prompt_token_ids
+    ref = HFRun(hf_gpt2, ids).edit(hf_gpt2.transformer.h[1], lambda h: h + v).logits()
+    assert_close(logits[0], ref[-1])
+
+
+def test_chunked_prefill_gives_a_clear_per_request_error(gpt2):
+    long = " ".join(["One two three four five six seven eight nine ten."] * 12)
+    with pytest.raises(InterventionError, match="chunked prefill"):
+        with gpt2.trace(long, temperature=0.0):
+            gpt2.transformer.h[0].output.save()
+    plain = gpt2.vllm_entrypoint.generate([long], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert len(plain.prompt_token_ids) > 64 and len(plain.outputs[0].token_ids) == 2

@@ -1,0 +1,109 @@
+"""The wire format and the block capture, without an engine."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_nnsight_plugin.client.model import VLLM
+from vllm_nnsight_plugin.payload import codec, values
+
+
+def test_tagged_values_round_trip():
+    obj = {
+        "t": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "bf": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "i": torch.tensor([[7]]),
+        "tuple": (1, 2.5, None, "s", True),
+        "list": [torch.zeros(0), float("inf")],
+        "size": torch.Size([3, 4]),
+        1: "int key",
+    }
+    back = values.decode(json.loads(json.dumps(values.encode(obj))))
+    assert torch.equal(back["t"], obj["t"]) and back["t"].dtype == torch.float32
+    assert torch.equal(back["bf"], obj["bf"]) and back["bf"].dtype == torch.bfloat16
+    assert torch.equal(back["i"], obj["i"])
+    assert back["tuple"] == obj["tuple"]
+    assert back["list"][0].shape == (0,) and math.isinf(back["list"][1])
+    assert back["size"] == torch.Size([3, 4]) and back[1] == "int key"
+
+
+def test_tensor_format_decodes_with_numpy_alone():
+    t = torch.randn(2, 5)
+    enc = values.encode(t)["$tensor"]
+    arr = np.frombuffer(base64.b64decode(enc["data"]), dtype=enc["dtype"]).reshape(enc["shape"])
+    assert np.array_equal(arr, t.numpy())
+
+
+def test_unsupported_and_malformed_values():
+    with pytest.raises(TypeError, match="object"):
+        values.encode(object())
+    with pytest.raises(ValueError):
+        values.decode({"$tensor": {"dtype": "float32", "shape": [4], "data": "AAAA"}})
+    with pytest.raises(ValueError):
+        values.decode({"$nope": 1})
+
+
+def _capture(model: VLLM, layer: int, v: torch.Tensor) -> str:
+    """Capture a block the way trace() does, without running it."""
+    captured = {}
+
+    def fake_run(invokes, sampling):
+        inv = invokes[0]
+        captured["payload"] = codec.encode_code(
+            codec.CodePayload(inv.block.source, inv.block.filename, inv.block.lineno, inv.values)
+        )
+        return []
+
+    object.__setattr__(model, "_run_invokes", fake_run)
+    idx = layer
+    with model.trace("Hello"):
+        model.model.layers[idx].output[0][:] += v
+        h = model.model.layers[idx].output.save()  # noqa: F841
+    return captured["payload"]
+
+
+@pytest.mark.parametrize("depth", [4, 32])
+def test_payload_is_small_and_flat_in_depth(depth):
+    model = VLLM("/nonexistent")
+    tree = {"": "LlamaForCausalLM", "model": "LlamaModel", "model.layers": "ModuleList"}
+    tree.update({f"model.layers.{i}": "LlamaDecoderLayer" for i in range(depth)})
+    object.__setattr__(model, "_tree", tree)
+    payload = _capture(model, 1, torch.ones(16))
+    env = codec.parse_envelope(payload)
+    assert "model.layers[idx].output[0][:] += v" in env["source"]
+    assert len(payload) < 2048  # the tree never travels, only references
+    assert "LlamaDecoderLayer" not in payload
+
+
+def test_body_on_the_with_line_is_refused():
+    model = VLLM("/nonexistent")
+    with pytest.raises(SyntaxError, match="own line"):
+        with model.trace("Hello"): model.logits.save()  # noqa: E701
+
+
+def test_scan_and_unimplemented_modes_explain_themselves():
+    with pytest.raises(NotImplementedError, match="scan"):
+        VLLM("/nonexistent").scan("x")
+    with pytest.raises(NotImplementedError, match="async"):
+        VLLM("/nonexistent", mode="async")
+
+
+def test_oversized_payload_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES", "1000")
+    with pytest.raises(codec.PayloadError, match="over the limit"):
+        codec.encode_code(codec.CodePayload("x = 1", values={"big": torch.zeros(10_000)}))
+    with pytest.raises(codec.PayloadError, match="over the limit"):
+        codec.parse_envelope("x" * 2000)
+
+
+def test_unpicklable_variable_is_named():
+    import threading
+
+    with pytest.raises(codec.PayloadError, match="'lock'"):
+        codec.encode_code(codec.CodePayload("lock", values={"lock": threading.Lock()}))
