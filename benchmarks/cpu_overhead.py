@@ -36,12 +36,12 @@ def _prompts() -> list[str]:
 
 def _child(variant: str, path: str) -> None:
     """Run inside a child process: one engine, warm-up, timed reps; print JSON."""
-    from vllm import SamplingParams
+    from vllm import LLM, SamplingParams
 
-    from vllm_nnsight_plugin import VLLM, make_payload
+    from vllm_nnsight_plugin import make_payload
 
-    model = VLLM(path, dispatch=True, dtype="float32", max_model_len=512, max_num_seqs=PROMPTS)
-    llm = model.vllm_entrypoint
+    # a plain vllm.LLM, as VLLM(...) would build it: the same engine with or without the plugin
+    llm = LLM(path, enforce_eager=True, dtype="float32", max_model_len=512, max_num_seqs=PROMPTS)
     prompts = _prompts()
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -73,7 +73,6 @@ def _child(variant: str, path: str) -> None:
                 assert all(o.saves for o in outs), "a traced request came back without saves"
     tokens = PROMPTS * MAX_TOKENS
     print("RESULT " + json.dumps({k: tokens / statistics.median(v) for k, v in times.items()}))
-    model.shutdown()
 
 
 def _run_child(variant: str, path: str, disable: bool) -> dict[str, float]:

@@ -209,3 +209,32 @@ def test_generate_with_and_without_a_block(llama):
 def test_scan_is_refused_up_front(llama):
     with pytest.raises(NotImplementedError, match="scan"):
         llama.scan("Hello")
+
+
+def test_open_ended_loop_unwinds_when_the_request_ends(llama):
+    eos = llama.tokenizer.eos_token_id
+    with llama.trace("Hello", temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
+        hs = []
+        for _ in tracer.all():
+            hs.append(llama.model.layers[1].output[0][-1].clone())
+        stacked = torch.stack(hs).save()  # after the loop: runs once the last token is out
+    assert stacked.shape == (3, 128)
+    with llama.trace("Hello", temperature=0.0, max_tokens=8) as tracer:
+        steps = [].save()
+        for step in tracer.all():
+            if step == 1:
+                llama.samples = torch.full_like(llama.samples, eos)  # EOS ends the request
+            steps.append(step)
+        done = True  # noqa: F841
+        flag = done.save()
+    assert steps == [0, 1] and flag is True
+    assert list(tracer.outputs[0].outputs[0].token_ids)[-1] == eos
+
+
+def test_bounded_loop_cut_short_warns(llama):
+    with pytest.warns(RuntimeWarning, match="before tracer.iter reached"):
+        with llama.trace("Hello", temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+            for _ in tracer.iter[:5]:
+                last = llama.logits.save()
+            result = tracer.result.save()
+    assert last.shape[0] == 1 and len(result.outputs[0].token_ids) == 2

@@ -12,12 +12,14 @@ ALLOW_CODE_ENV = "VLLM_NNSIGHT_ALLOW_CODE"
 
 
 @hookimpl(trylast=True)
-def nnsight_payload_policy(kind: str, origin: str) -> str | None:
+def nnsight_payload_policy(kind: str, origin: str, settings: dict) -> str | None:
     """Code payloads over HTTP are remote code execution: only with operator opt-in."""
-    if kind == "code" and origin == "http" and os.environ.get(ALLOW_CODE_ENV) != "1":
+    allowed = os.environ.get(ALLOW_CODE_ENV) == "1" or settings.get("allow_code") is True
+    if kind == "code" and origin == "http" and not allowed:
         return (
             "code payloads (pickled Python) are refused by this server: they execute "
-            f"arbitrary code. The operator can allow them with {ALLOW_CODE_ENV}=1"
+            f"arbitrary code. The operator can allow them with {ALLOW_CODE_ENV}=1 or "
+            """--additional-config '{"nnsight": {"allow_code": true}}'"""
         )
     return None
 

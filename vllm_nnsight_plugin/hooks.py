@@ -29,7 +29,7 @@ def arch_adapter(architecture: str):  # noqa: ANN201 - adapter protocol in built
     return None
 
 
-def refusal(kind: str, origin: str) -> str | None:
+def refusal(kind: str, origin: str, settings: dict | None = None) -> str | None:
     """Why a payload is refused, or None when it may run."""
-    reason = plugin_manager().hook.nnsight_payload_policy(kind=kind, origin=origin)
+    reason = plugin_manager().hook.nnsight_payload_policy(kind=kind, origin=origin, settings=settings or {})
     return reason or None

@@ -17,12 +17,14 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec(firstresult=True)
-def nnsight_payload_policy(kind: str, origin: str) -> str | None:
+def nnsight_payload_policy(kind: str, origin: str, settings: dict) -> str | None:
     """Decide whether a payload may run; return a refusal reason, or None to allow.
 
     ``kind`` is the payload kind (``"code"``: pickled Python, remote code
-    execution); ``origin`` is ``"python"`` for an in-process ``vllm.LLM`` /
-    ``AsyncLLM`` caller or ``"http"`` for the OpenAI server. Called in the front
+    execution; ``"spec"``: declarative JSON); ``origin`` is ``"python"`` for an
+    in-process ``vllm.LLM`` / ``AsyncLLM`` caller or ``"http"`` for the OpenAI
+    server; ``settings`` is the operator's ``--additional-config``
+    ``{"nnsight": {...}}`` section. Called in the front
     end before a request reaches the engine. The first non-None answer wins;
     return ``""`` to allow explicitly and stop later implementations.
     """

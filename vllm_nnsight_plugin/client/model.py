@@ -100,7 +100,13 @@ class VLLM(Envoy):
 
             llm = LLM(model=self.model_path, **self.llm_kwargs)
             object.__setattr__(self, "_llm", llm)
-            tree = llm.collective_rpc("nnsight_module_tree")[0]
+            try:
+                tree = llm.collective_rpc("nnsight_module_tree")[0]
+            except Exception as exc:  # noqa: BLE001
+                raise RuntimeError(
+                    "the vllm-nnsight-plugin is not active in this engine's workers "
+                    f"(is VLLM_NNSIGHT_DISABLE=1 set, or VLLM_PLUGINS excluding 'nnsight'?): {exc}"
+                ) from None
             object.__setattr__(self, "_tree", {path: cls for path, cls in tree})
         return self
 

@@ -21,6 +21,10 @@ SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
 INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
 REQUEST_OUTPUT = ("vllm.outputs", "RequestOutput")
+SERVING_COMPLETION = ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion")
+SERVING_CHAT = ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat")
+APP_MODULE = "vllm.entrypoints.launchers.app"
+APP_ROUTE_HOOK = "attach_endpoint_plugins"  # called by build_app after the core routers
 
 _MARK = "__nnsight_wrapped__"
 
@@ -40,6 +44,17 @@ def patch_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> 
     setattr(wrapper, _MARK, True)
     wrapper.__nnsight_original__ = current
     setattr(cls, name, wrapper)
+
+
+def wrap_module_function(module: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Wrap a module-level function looked up at call time by its own module."""
+    current = getattr(module, name)
+    if getattr(current, _MARK, False):
+        return
+    wrapper = make(current)
+    functools.update_wrapper(wrapper, current)
+    setattr(wrapper, _MARK, True)
+    setattr(module, name, wrapper)
 
 
 def is_patched(cls: type, name: str) -> bool:
@@ -146,6 +161,26 @@ def v1_batch(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int, in
     return out
 
 
+def will_finish(runner: Any, req_id: str) -> bool:
+    """Whether the token sampled this step ends the request (as the scheduler's
+    stop check will decide). Stop strings are only seen by the front end."""
+    state = runner.requests.get(req_id)
+    if state is None or not state.output_token_ids:
+        return False
+    params = state.sampling_params
+    out = state.output_token_ids
+    if params is None:
+        return False
+    if params.max_tokens is not None and len(out) >= params.max_tokens:
+        return True
+    prompt = len(state.prompt_token_ids or ())
+    if prompt + len(out) >= runner.max_model_len:
+        return True
+    if len(out) < (params.min_tokens or 0):
+        return False
+    return out[-1] in params.all_stop_token_ids
+
+
 def runner_model(runner: Any) -> Any:
     return runner.get_model()
 
@@ -215,4 +250,20 @@ def sampling_extra_args(params: Any) -> dict | None:
 
 def serving_http() -> bool:
     """True in the OpenAI API server process (payloads arrive over HTTP)."""
-    return "vllm.entrypoints.openai.api_server" in sys.modules
+    return any(name in sys.modules for name in HTTP_SERVER_MODULES)
+
+
+HTTP_SERVER_MODULES = ("vllm.entrypoints.launchers.app", "vllm.entrypoints.openai.api_server")
+
+
+def serving_vllm_config(serving: Any) -> Any:
+    """The engine config behind an OpenAI serving handler."""
+    client = getattr(serving, "engine_client", None)
+    return getattr(client, "vllm_config", None)
+
+
+def additional_config(vllm_config: Any) -> dict:
+    """The operator's ``--additional-config`` entries for this plugin (key ``nnsight``)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    section = extra.get("nnsight") if isinstance(extra, dict) else None
+    return section if isinstance(section, dict) else {}

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .session import _NOTHING, StopBlock, Wait
+from .session import _NOTHING, END, StopBlock, Wait
 
 if TYPE_CHECKING:
     from .interleave import Interleaver
@@ -185,8 +185,13 @@ class WorkerTracer:
         try:
             index = start
             while stop is None or index < stop:
-                if index > session.step:
-                    session.request(Wait("step", index))
+                if index > session.step and session.request(Wait("step", index)) is END:
+                    if stop is not None:
+                        session.warnings.append(
+                            f"the request finished after step {index - 1}, before tracer.iter reached "
+                            f"step {stop - 1} (min_tokens= or ignore_eos=True make generation longer)"
+                        )
+                    return
                 session.target_step = index
                 yield index
                 index += step

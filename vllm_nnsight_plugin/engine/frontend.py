@@ -8,6 +8,7 @@ computed without its intervention nor leaves edited KV for anyone else.
 
 from __future__ import annotations
 
+import ast
 import logging
 import uuid
 from collections.abc import Callable
@@ -18,20 +19,34 @@ from . import compat
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
+MODULE_ATTRS = ("output", "input", "inputs")
 
-def check_payload(raw: Any, params: Any) -> dict[str, Any]:
+
+def touches_modules(env: dict[str, Any]) -> bool:
+    """Whether a payload reads or edits module values (needs an eager engine)."""
+    if env["kind"] == "spec":
+        return any(op["op"] != "logits_topk" for op in env["ops"])
+    tree = ast.parse(env["source"])
+    return any(isinstance(n, ast.Attribute) and n.attr in MODULE_ATTRS for n in ast.walk(tree))
+
+
+def check_payload(raw: Any, params: Any, vllm_config: Any = None) -> dict[str, Any]:
     """Validate one payload; raise :class:`codec.PayloadError` with the reason."""
     from ..hooks import refusal
 
     env = codec.parse_envelope(raw)
     origin = "http" if compat.serving_http() else "python"
-    reason = refusal(env["kind"], origin)
+    reason = refusal(env["kind"], origin, compat.additional_config(vllm_config))
     if reason:
         logger.warning("refused a %s payload from %s: %s", env["kind"], origin, reason)
         raise codec.PayloadError(reason)
     if getattr(params, "n", 1) != 1:
+        raise codec.PayloadError("traced requests take n=1: run one invoke per sample instead of n>1")
+    if vllm_config is not None and not compat.runs_eager(vllm_config) and touches_modules(env):
         raise codec.PayloadError(
-            "traced requests take n=1: run one invoke per sample instead of n>1"
+            "this engine runs compiled code / CUDA graphs, which skip Python hooks, so module "
+            "reads and edits cannot apply: start it with enforce_eager=True (--enforce-eager) or "
+            "declare taps. model.logits and model.samples work in every mode."
         )
     return env
 
@@ -41,7 +56,7 @@ def _process_inputs(original: Callable) -> Callable:
         extra = compat.sampling_extra_args(params)
         raw = extra.get(codec.PAYLOAD_KEY) if extra else None
         if raw is not None:
-            check_payload(raw, params)
+            check_payload(raw, params, getattr(self, "vllm_config", None))
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None:
             compat.salt_request(request, f"nnsight-{uuid.uuid4().hex}")

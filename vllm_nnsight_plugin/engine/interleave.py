@@ -88,6 +88,7 @@ class Interleaver:
         self.current: RequestSession | None = None
         self.results: dict[str, dict[str, Any]] = {}
         self._parents: dict[int, torch.nn.Module] | None = None
+        self._ranks: dict[str, int] | None = None
 
     # ------------------------------------------------------------ admission
     def admit(self, req_id: str, extra_args: dict[str, Any] | None) -> None:
@@ -98,12 +99,44 @@ class Interleaver:
         self.sessions[req_id] = session
         try:
             env = codec.parse_envelope(raw)
+            if env["kind"] == "spec":
+                self._admit_spec(session, env)
+                return
             session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
             payload = codec.load_code(env, self._resolver())
             session.namespace.update(payload.values)
         except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
             session.fail(f"bad payload: {exc}")
             self._record(session)
+
+    def _admit_spec(self, session: RequestSession, env: dict[str, Any]) -> None:
+        from functools import partial
+
+        from .spec_runner import run_spec
+
+        session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
+        session.namespace.update(
+            model=self.root,
+            tracer=self.tracer,
+            __nnsight_run_spec__=partial(run_spec, ops=env["ops"], session=session, inter=self),
+        )
+
+    def envoy_at(self, path: str) -> WorkerEnvoy:
+        """The envoy of a dotted module path (``model.layers.1.mlp``)."""
+        envoy = self.root
+        for part in path.split(".") if path else ():
+            envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+        if not isinstance(envoy, WorkerEnvoy):
+            raise AttributeError(f"{path!r} is not a module of this model")
+        return envoy
+
+    def module_rank(self, path: str) -> int:
+        """Position of a module in registration order (forward order for decoders)."""
+        if self._ranks is None:
+            self._ranks = {name: i for i, (name, _) in enumerate(self.model.named_modules())}
+        if path not in self._ranks:
+            self.envoy_at(path)  # raises with the available names
+        return self._ranks.get(path, 0)
 
     def _resolver(self) -> Callable[[tuple], Any]:
         def resolve(ref: tuple) -> Any:
@@ -113,10 +146,7 @@ class Interleaver:
             if kind == "tracer":
                 return self.tracer
             if kind == "envoy":
-                envoy = self.root
-                for part in ref[1].split(".") if ref[1] else ():
-                    envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
-                return envoy
+                return self.envoy_at(ref[1])
             raise codec.PayloadError(f"unknown reference {ref!r}")
 
         return resolve
@@ -150,9 +180,10 @@ class Interleaver:
                 self._unwait(session)
                 self._run(session, lambda s=session: s.resume(None))
 
-    def end_step(self) -> dict[str, dict[str, Any]]:
-        """Close the step: unreached accesses fail, steps advance, results collected."""
-        layout, self.layout = self.layout, None
+    def end_step(self, finishing: set[str] | frozenset = frozenset()) -> dict[str, dict[str, Any]]:
+        """Close the step: unreached accesses fail, steps advance, blocks of requests
+        that just produced their last token run to their end, results collected."""
+        layout = self.layout
         if layout is None:
             return {}
         for req_id in layout.spans:
@@ -168,7 +199,10 @@ class Interleaver:
                     "(e.g. lm_head is applied inside compute_logits: use model.logits)"
                 )
             session.step += 1
+            if req_id in finishing:
+                self._run(session, session.end)
             self._record(session)
+        self.layout = None
         self._prune_hooks()
         results, self.results = self.results, {}
         return results

@@ -48,12 +48,10 @@ def finalize(entry: dict[str, Any]) -> dict[str, Any]:
     warnings = list(entry.get("warnings") or [])
     pending = entry.get("pending")
     if error is None and pending and not entry.get("done") and not entry.get("stop"):
-        if not pending.get("open_ended"):
-            warnings.append(
-                f"the request finished while the block waited for {pending['desc']}; "
-                "values saved so far are returned (min_tokens= or ignore_eos=True make "
-                "generation last the loop's full length)"
-            )
+        warnings.append(
+            f"the request ended while the block waited for {pending['desc']} (e.g. a stop string or "
+            "an abort), so the block did not run to its end; values saved so far are returned"
+        )
     try:
         return codec.encode_results(entry.get("saves") or {}, error, warnings)
     except TypeError as exc:

@@ -127,7 +127,8 @@ def _sample_tokens(original: Callable) -> Callable:
         out = original(self, *args, **kwargs)
         inter = self.__dict__.get(_ATTR)
         if inter is not None and inter.layout is not None:
-            results = inter.end_step()
+            finishing = {r for r in inter.layout.spans if r in inter.sessions and compat.will_finish(self, r)}
+            results = inter.end_step(finishing)
             if results:
                 compat.attach_results(out, results)
         return out

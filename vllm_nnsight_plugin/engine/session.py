@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .interleave import Interleaver
 
 _NOTHING = object()
+END = object()  # given to a block parked between steps when its request has finished
 
 
 class StopBlock(Exception):
@@ -124,9 +125,11 @@ class RequestSession:
     error: dict[str, Any] | None = None
     stopped: bool = False
     done: bool = False
+    ended: bool = False  # the request generated its last token
     warnings: list[str] = field(default_factory=list)
     _saved: dict[int, Any] = field(default_factory=dict)
     _shipped: dict[str, int] = field(default_factory=dict)
+    _dirty: bool = False
     _glet: greenlet.greenlet | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -226,6 +229,10 @@ class RequestSession:
     # ------------------------------------------------------------ block side
     def request(self, wait: Wait) -> Any:
         """Called inside the block: park until ``wait`` is served."""
+        if self.ended:
+            if wait.kind == "step":
+                return END
+            raise InterventionFailure(f"the request has finished: {wait.describe()} will never come")
         if wait.step < self.step:
             raise InterventionFailure(
                 f"{wait.describe()} already happened: this request is at step {self.step}"
@@ -246,7 +253,20 @@ class RequestSession:
     def save(self, value: Any) -> Any:
         copy = copy_value(value)
         self._saved[id(copy)] = copy
+        self._dirty = True
         return copy
+
+    def end(self) -> None:
+        """The request produced its last token: let a block waiting for another
+        step leave its loop (``tracer.all()``) and run to its end."""
+        self.ended = True
+        if self.active and self.wait is not None and self.wait.kind == "step":
+            self.wait = None
+            self.resume(END)
+
+    def touch(self) -> None:
+        """A saved container changed in place: ship it again at the end of the step."""
+        self._dirty = True
 
     # ------------------------------------------------------------ results
     def snapshot(self) -> dict[str, Any] | None:
@@ -258,9 +278,11 @@ class RequestSession:
             if saved.get(id(value)) is value and not name.startswith("__")
         }
         ids = {name: id(v) for name, v in current.items()}
-        if ids == self._shipped:
+        containers = any(isinstance(v, (list, dict)) for v in current.values())
+        if ids == self._shipped and not self._dirty and not containers:
             return None
         self._shipped = ids
+        self._dirty = False
         return {name: _to_cpu(v) for name, v in current.items()}
 
     def pending(self) -> dict[str, Any] | None:

@@ -128,8 +128,12 @@ def parse_envelope(raw: Any) -> dict[str, Any]:
     if env.get("v") != VERSION:
         raise PayloadError(f"payload field 'v' must be {VERSION}, got {env.get('v')!r}")
     kind = env.get("kind")
+    if kind == "spec":
+        from . import spec
+
+        return spec.validate(env)
     if kind != "code":
-        raise PayloadError(f"payload field 'kind' must be 'code', got {kind!r}")
+        raise PayloadError(f"payload field 'kind' must be 'code' or 'spec', got {kind!r}")
     for key, typ in (("source", str), ("filename", str), ("lineno", int), ("values", str)):
         if not isinstance(env.get(key), typ):
             raise PayloadError(f"payload field {key!r} must be a {typ.__name__}")

@@ -1,0 +1,127 @@
+"""Runs a declarative spec (``kind: "spec"``) as a request's block.
+
+The spec becomes an ordinary block: this trusted function, running in the
+request's greenlet, reads and edits through the same envoys as user code.
+Operations are applied in forward order within each step (module order, input
+before output, logits last); operations on one location keep the spec's order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..payload import spec as specmod
+from ..payload import values as tagged
+
+if TYPE_CHECKING:
+    from .interleave import Interleaver
+    from .session import RequestSession
+
+
+def _tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, dict):
+        t = tagged.decode_tensor(value["$tensor"])
+    else:
+        t = torch.as_tensor(value, dtype=torch.float32)
+    return t.to(dtype=like.dtype, device=like.device)
+
+
+def _rows(value: torch.Tensor, positions: list[int] | None) -> Any:
+    if positions is None:
+        return None
+    n = value.shape[0]
+    rows = []
+    for p in positions:
+        q = p + n if p < 0 else p
+        if not 0 <= q < n:
+            raise IndexError(f"position {p} is out of range: this step has {n} rows for the request")
+        rows.append(q)
+    return torch.tensor(rows, device=value.device)
+
+
+def _location(inter: Interleaver, op: dict[str, Any]) -> Any:
+    envoy = inter.envoy_at(op["module"])
+    value = envoy.input if op.get("io", "output") == "input" else envoy.output
+    index = op.get("index")
+    if index is not None:
+        if not isinstance(value, (tuple, list)):
+            raise TypeError(f"index {index} given, but the value is a {type(value).__name__}, not a tuple")
+        value = value[index]
+    return value
+
+
+def _apply(inter: Interleaver, session: RequestSession, op: dict[str, Any], out: dict[str, Any]) -> None:
+    kind = op["op"]
+    if kind == "logits_topk":
+        vals, ids = inter.root.logits[0].float().topk(op["k"])
+        out["value"] = {"values": vals.clone(), "ids": ids.clone()}
+        return
+    value = _location(inter, op)
+    if kind == "read":
+        if isinstance(value, torch.Tensor) and op.get("positions") is not None:
+            value = value[_rows(value, op["positions"])]
+        out["value"] = session.save(value)
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op['module']}.{op.get('io', 'output')} is a {type(value).__name__}: set 'index'")
+    rows = _rows(value, op.get("positions"))
+    target = value if rows is None else value[rows]
+    if kind == "add":
+        target = target + _tensor(op["value"], value)
+    elif kind == "scale":
+        target = target * op["factor"]
+    elif kind == "zero":
+        target = torch.zeros_like(target)
+    elif kind == "set":
+        target = _tensor(op["value"], value).expand_as(target)
+    if rows is None:
+        value.copy_(target)
+    else:
+        value[rows] = target
+
+
+def run_spec(model: Any, tracer: Any, *, ops: list[dict[str, Any]], session: RequestSession,
+             inter: Interleaver) -> None:
+    """The body of a spec request's block."""
+    ns = session.namespace
+    plan = sorted(
+        range(len(ops)),
+        key=lambda i: (
+            float("inf") if ops[i]["op"] == "logits_topk" else inter.module_rank(ops[i]["module"]),
+            0 if ops[i].get("io") == "input" else 1,
+            i,
+        ),
+    )
+    filters = {i: specmod.step_filter(ops[i].get("steps")) for i in plan}
+    open_ended = any(f[1] for f in filters.values())
+    last = None if open_ended else max(f[2] for f in filters.values())
+    for i in plan:
+        if "name" in ops[i] and not specmod.is_single(ops[i]):
+            ns[ops[i]["name"]] = session.save([])
+    steps = tracer.all() if open_ended else tracer.iter[: last + 1]
+    for step in steps:
+        for i in plan:
+            explicit, generated, _ = filters[i]
+            if not ((explicit is not None and step in explicit) or (generated and step >= 1)
+                    or (ops[i].get("steps") == "all")):
+                continue
+            out: dict[str, Any] = {}
+            try:
+                _apply(inter, session, ops[i], out)
+            except Exception as exc:  # noqa: BLE001 - name the operation that failed
+                msg = f"ops[{i}] ({ops[i]['op']} {ops[i].get('module', 'logits')}): {exc}"
+                try:
+                    named = type(exc)(msg)
+                except Exception:  # noqa: BLE001 - exception types with other signatures
+                    named = RuntimeError(msg)
+                raise named from None
+            name = ops[i].get("name")
+            if name is None:
+                continue
+            if specmod.is_single(ops[i]):
+                ns[name] = session.save(out["value"])
+            else:
+                ns[name].append(out["value"])
+                session.touch()

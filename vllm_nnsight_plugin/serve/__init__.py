@@ -1,0 +1,12 @@
+"""The OpenAI server side: validation (HTTP 400), results in streams, routes."""
+
+from __future__ import annotations
+
+
+def install() -> None:
+    from ..engine import compat
+    from . import handlers, routes
+
+    compat.when_class(compat.SERVING_COMPLETION, handlers.install_completion)
+    compat.when_class(compat.SERVING_CHAT, handlers.install_chat)
+    compat.when_imported(compat.APP_MODULE, routes.install)

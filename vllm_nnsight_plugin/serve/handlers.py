@@ -1,0 +1,114 @@
+"""Wraps of vLLM's OpenAI handlers for requests that carry a payload.
+
+- A bad payload (malformed, too large, code without the operator's opt-in, a
+  module edit on a compiled engine) is answered with HTTP 400 naming the
+  problem, before anything reaches the engine.
+- In a stream, the results go into the chunk that carries ``finish_reason`` as
+  ``kv_transfer_params`` (the same field as in the non-stream response).
+Requests without a payload take the original code path untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ..engine import compat
+from ..engine.frontend import check_payload
+from ..payload import codec
+
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+
+def _payload(request: Any) -> Any:
+    xargs = getattr(request, "vllm_xargs", None) or {}
+    return xargs.get(codec.PAYLOAD_KEY)
+
+
+def _reject(serving: Any, request: Any, raw: Any) -> Any:
+    """An ErrorResponse (HTTP 400) when the payload is refused, else None."""
+    try:
+        prompt = getattr(request, "prompt", None)
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise codec.PayloadError("a traced completion takes one prompt: send one request per prompt")
+        check_payload(raw, request, compat.serving_vllm_config(serving))
+    except codec.PayloadError as exc:
+        return serving.create_error_response(str(exc))
+    return None
+
+
+async def _capture(results: dict[int, Any], gen: AsyncIterator, indexed: bool) -> AsyncIterator:
+    async for item in gen:
+        output = item[1] if indexed else item
+        params = getattr(output, "kv_transfer_params", None) or {}
+        if codec.PAYLOAD_KEY in params:
+            results[item[0] if indexed else 0] = params[codec.PAYLOAD_KEY]
+        yield item
+
+
+async def _inject(chunks: AsyncIterator[str], results: dict[int, Any], prompt_of: Callable) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        if results and chunk.startswith("data: ") and not chunk.startswith("data: [DONE]"):
+            try:
+                obj = json.loads(chunk[6:])
+            except ValueError:
+                yield chunk
+                continue
+            finished = [c for c in obj.get("choices") or [] if c.get("finish_reason") is not None]
+            for choice in finished:
+                res = results.get(prompt_of(choice.get("index", 0)))
+                if res is not None:
+                    params = dict(obj.get("kv_transfer_params") or {})
+                    params[codec.PAYLOAD_KEY] = res
+                    obj["kv_transfer_params"] = params
+            if finished:
+                chunk = f"data: {json.dumps(obj)}\n\n"
+        yield chunk
+
+
+def _create(original: Callable) -> Callable:
+    async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        raw = _payload(request)
+        if raw is not None:
+            error = _reject(self, request, raw)
+            if error is not None:
+                return error
+        return await original(self, request, *args, **kwargs)
+
+    return create
+
+
+def _completion_stream(original: Callable) -> Callable:
+    def stream(self: Any, request: Any, engine_inputs: Any, result_generator: Any, *args: Any, **kwargs: Any) -> Any:
+        if _payload(request) is None:
+            return original(self, request, engine_inputs, result_generator, *args, **kwargs)
+        results: dict[int, Any] = {}
+        n = request.n or 1
+        chunks = original(self, request, engine_inputs, _capture(results, result_generator, True), *args, **kwargs)
+        return _inject(chunks, results, lambda index: index // n)
+
+    return stream
+
+
+def _chat_stream(original: Callable) -> Callable:
+    def stream(self: Any, request: Any, result_generator: Any, *args: Any, **kwargs: Any) -> Any:
+        if _payload(request) is None:
+            return original(self, request, result_generator, *args, **kwargs)
+        results: dict[int, Any] = {}
+        chunks = original(self, request, _capture(results, result_generator, False), *args, **kwargs)
+        return _inject(chunks, results, lambda index: 0)
+
+    return stream
+
+
+def install_completion(cls: type) -> None:
+    compat.patch_method(cls, "create_completion", _create)
+    compat.patch_method(cls, "completion_stream_generator", _completion_stream)
+
+
+def install_chat(cls: type) -> None:
+    compat.patch_method(cls, "create_chat_completion", _create)
+    compat.patch_method(cls, "chat_completion_stream_generator", _chat_stream)
