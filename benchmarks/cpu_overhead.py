@@ -101,7 +101,7 @@ def _client_cost(layers: int, n: int = 2000) -> tuple[float, int]:
     object.__setattr__(model, "_tree", tree)
     sizes: list[int] = []
 
-    def run_invokes(invokes, sampling):  # noqa: ANN001, ANN202 - what trace() does before vLLM
+    def run_invokes(invokes, sampling, serve=None):  # noqa: ANN001, ANN202 - what trace() does before vLLM
         for inv in invokes:
             payload = codec.encode_code(codec.CodePayload(inv.block.source, inv.block.filename,
                                                           inv.block.lineno, inv.values))

@@ -67,3 +67,23 @@ def test_eager_engine_serves_each_request_its_rows(configs):
     ref = model[0](torch.arange(20, dtype=torch.float32).reshape(5, 4))[0:3]
     assert torch.allclose(x, ref)
     assert not inter.hooks  # hooks are removed once nobody waits
+
+
+def test_front_end_refuses_module_edits_on_a_compiled_engine(configs):
+    """The check the server turns into HTTP 400 (and LLM.generate into ValueError)."""
+    import json
+
+    from vllm_nnsight_plugin.engine.frontend import check_payload
+    from vllm_nnsight_plugin.payload.codec import PayloadError
+
+    class Params:
+        n = 1
+
+    touching = make_payload(read_layer)
+    logits_only = make_payload(read_logits)
+    spec_logits = json.dumps({"v": 1, "kind": "spec", "ops": [{"op": "logits_topk", "name": "t", "k": 2}]})
+    with pytest.raises(PayloadError, match="--enforce-eager"):
+        check_payload(touching, Params(), configs[False])
+    check_payload(logits_only, Params(), configs[False])
+    check_payload(spec_logits, Params(), configs[False])
+    check_payload(touching, Params(), configs[True])

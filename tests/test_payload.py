@@ -53,7 +53,7 @@ def _capture(model: VLLM, layer: int, v: torch.Tensor) -> str:
     """Capture a block the way trace() does, without running it."""
     captured = {}
 
-    def fake_run(invokes, sampling):
+    def fake_run(invokes, sampling, serve=None):
         inv = invokes[0]
         captured["payload"] = codec.encode_code(
             codec.CodePayload(inv.block.source, inv.block.filename, inv.block.lineno, inv.values)

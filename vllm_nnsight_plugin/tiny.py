@@ -22,6 +22,11 @@ CORPUS = [
 ]
 
 KINDS = ("llama", "gpt2")
+VERSION = 2  # bump when the checkpoint recipe changes (cached builds are keyed by it)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def _tokenizer(vocab_size: int):  # noqa: ANN202 - transformers type
@@ -39,10 +44,12 @@ def _tokenizer(vocab_size: int):  # noqa: ANN202 - transformers type
     )
     tok.train_from_iterator(CORPUS * 4, trainer)
     tok.add_special_tokens(["<|endoftext|>"])  # last id, as in GPT-2: id 0 is an ordinary byte
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
         unk_token="<|endoftext|>", pad_token="<|endoftext|>",
     )
+    fast.chat_template = CHAT_TEMPLATE  # so /v1/chat/completions works on the tiny models
+    return fast
 
 
 def build(kind: str, path: str | os.PathLike, layers: int = 4, hidden: int = 128, seed: int = 0) -> Path:
@@ -86,7 +93,7 @@ def build(kind: str, path: str | os.PathLike, layers: int = 4, hidden: int = 128
 def ensure(kind: str, root: str | os.PathLike | None = None, layers: int = 4) -> Path:
     """The checkpoint directory, built on first use (cached under ``root``)."""
     root = Path(root or os.environ.get("VLLM_NNSIGHT_CACHE", Path.home() / ".cache" / "vllm-nnsight-plugin"))
-    path = root / f"tiny-{kind}-{layers}l"
+    path = root / f"tiny-{kind}-{layers}l-v{VERSION}"
     if not (path / ".complete").exists():
         build(kind, path, layers=layers)
     return path

@@ -169,19 +169,58 @@ class VLLM(Envoy):
         )
 
     # ------------------------------------------------------------ running
-    def _run_invokes(self, invokes: list[Invoke], trace_sampling: dict[str, Any]) -> list[Any]:
+    def _check_paths(self, invokes: list[Invoke], tree: dict[str, str] | None) -> None:
+        if not tree:
+            return
+        from .paths import check_paths
+
+        for inv in invokes:
+            roots = {name for name, value in inv.values.items() if value is self}
+            check_paths(inv.block.statements, roots, tree, inv.block.filename)
+
+    def _payload(self, inv: Invoke) -> str:
+        return codec.encode_code(
+            codec.CodePayload(inv.block.source, inv.block.filename, inv.block.lineno, inv.values)
+        )
+
+    def _run_invokes(self, invokes: list[Invoke], trace_sampling: dict[str, Any],
+                     serve: tuple[str, str | None] | None = None) -> list[Any]:
+        if serve is not None:
+            return self._run_served(invokes, trace_sampling, *serve)
         from vllm import SamplingParams
 
+        self.dispatch()
+        self._check_paths(invokes, self._tree)
         prompts, params = [], []
         for inv in invokes:
             kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
             extra = dict(kw.pop("extra_args", None) or {})
-            extra[codec.PAYLOAD_KEY] = codec.encode_code(
-                codec.CodePayload(inv.block.source, inv.block.filename, inv.block.lineno, inv.values)
-            )
+            extra[codec.PAYLOAD_KEY] = self._payload(inv)
             params.append(SamplingParams(**kw, extra_args=extra))
             prompts.append(to_prompt(inv.prompt))
         outputs = self.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
+        for output in outputs:
+            _attach(output)
+        return outputs
+
+
+    def _run_served(self, invokes: list[Invoke], trace_sampling: dict[str, Any], url: str,
+                    api_key: str | None) -> list[Any]:
+        from . import served
+
+        conn = served.Connection(url, api_key)
+        cache = self.__dict__.setdefault("_served", {})
+        if url not in cache:
+            cache[url] = (conn.model_name(), conn.tree())
+        name, tree = cache[url]
+        if self._tree is None:
+            object.__setattr__(self, "_tree", tree)
+        self._check_paths(invokes, tree)
+        bodies = []
+        for inv in invokes:
+            kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
+            bodies.append(served.completion_body(name, to_prompt(inv.prompt), kw, self._payload(inv)))
+        outputs = served.post_all(conn, bodies)
         for output in outputs:
             _attach(output)
         return outputs

@@ -56,10 +56,12 @@ class _Capturing:
 class Tracer(_Capturing):
     """The object bound by ``with model.trace(...) as tracer``."""
 
-    def __init__(self, model: VLLM, prompt: Any = _NO_PROMPT, **sampling: Any):
+    def __init__(self, model: VLLM, prompt: Any = _NO_PROMPT, serve: str | None = None,
+                 api_key: str | None = None, **sampling: Any):
         self.model = model
         self._prompt = prompt
         self._sampling = sampling
+        self._serve = (serve, api_key) if serve else None
         self._invokes: list[Invoke] = []
         self._frame: FrameType | None = None
         self._open_invoke = False
@@ -118,7 +120,7 @@ class Tracer(_Capturing):
     def _run(self) -> None:
         if not self._invokes:
             return
-        outputs = self.model._run_invokes(self._invokes, self._sampling)
+        outputs = self.model._run_invokes(self._invokes, self._sampling, self._serve)
         self.outputs = outputs
         bound: dict[str, Any] = {}
         first_error = None

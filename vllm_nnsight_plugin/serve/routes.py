@@ -8,7 +8,7 @@ Added by wrapping the app builder's endpoint-plugin step, so a plain
 ``vllm serve`` gets them without ``VLLM_PLUGINS`` changes.
 """
 
-from __future__ import annotations
+# no "from __future__ import annotations": FastAPI reads these handler annotations at runtime
 
 from collections.abc import Callable
 from typing import Any

@@ -1,0 +1,358 @@
+"""A real OpenAI server process (stock vLLM api_server module + the plugin) on
+loopback: the GPU-less VLLM client, the openai client, raw HTTP with JSON specs,
+streams, concurrency and bad input."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import HFRun, assert_close
+
+from vllm_nnsight_plugin import VLLM, InterventionError, make_payload, results
+from vllm_nnsight_plugin.payload import values as tagged
+
+KEY = "test-key"
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: str
+
+    def post(self, path: str, body: dict, key: str | None = KEY) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST")
+        req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    def stream(self, path: str, body: dict) -> list[dict]:
+        req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode())
+        req.add_header("Content-Type", "application/json")
+        req.add_header("Authorization", f"Bearer {KEY}")
+        chunks = []
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            for line in resp:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        return chunks
+
+    def health(self) -> int:
+        with urllib.request.urlopen(self.url + "/health", timeout=30) as resp:
+            return resp.status
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(path: str, allow_code: bool, tmp_path_factory) -> Server:
+    port = _free_port()
+    log = str(tmp_path_factory.mktemp("server") / "server.log")
+    env = dict(os.environ, VLLM_NNSIGHT_ALLOW_CODE="1" if allow_code else "0", VLLM_LOGGING_LEVEL="WARNING")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
+           "--port", str(port), "--api-key", KEY, "--enforce-eager", "--dtype", "float32",
+           "--max-model-len", "512", "--max-num-seqs", "32", "--served-model-name", "tiny"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(open(log).read()[-3000:])
+        try:
+            if server.health() == 200:
+                return server
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError("server did not start: " + open(log).read()[-3000:])
+
+
+def _stop(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def code_server(llama_path, tmp_path_factory):
+    server = _start(llama_path, True, tmp_path_factory)
+    yield server
+    _stop(server)
+
+
+@pytest.fixture(scope="module")
+def spec_server(llama_path, tmp_path_factory):
+    server = _start(llama_path, False, tmp_path_factory)
+    yield server
+    _stop(server)
+
+
+def _ids(llama_path: str, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llama_path)(text, add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------- GPU-less client
+
+
+def test_gpu_less_client_traces_a_served_engine(code_server, llama_path, hf_llama):
+    model = VLLM(llama_path)  # no engine, no weights
+    with model.trace("Hello world", serve=code_server.url, api_key=KEY, temperature=0.0, max_tokens=3,
+                     ignore_eos=True) as tracer:
+        h = model.model.layers[1].output.save()
+        steps = [].save()
+        for _ in tracer.iter[:3]:
+            steps.append(model.logits)
+        result = tracer.result.save()
+    assert not model.dispatched
+    ids = result.prompt_token_ids
+    generated = result.outputs[0].token_ids
+    assert len(generated) == 3 and ids == _ids(llama_path, "Hello world")
+    rec = HFRun(hf_llama, ids).record("l1", hf_llama.model.layers[1])
+    rec.logits()
+    assert_close(h[0] + h[1], rec.records["l1"])
+    for k in range(3):
+        ref = HFRun(hf_llama, ids + generated[:k]).logits()
+        assert_close(steps[k][0], ref[-1])
+
+
+def test_gpu_less_client_checks_paths_against_the_server(code_server, llama_path):
+    model = VLLM(llama_path)
+    with pytest.raises(AttributeError, match="submodules: .*mlp"):
+        with model.trace("Hello", serve=code_server.url, api_key=KEY):
+            model.model.layers[1].mlpp.output.save()
+
+
+def test_gpu_less_client_raises_the_servers_error(code_server, llama_path):
+    model = VLLM(llama_path)
+    with pytest.raises(InterventionError, match="division by zero"):
+        with model.trace("Hello", serve=code_server.url, api_key=KEY):
+            x = 1 / 0  # noqa: F841
+    with pytest.raises(TypeError, match="temprature"):
+        with model.trace("Hello", serve=code_server.url, api_key=KEY, temprature=0.0):
+            model.logits.save()
+
+
+# ----------------------------------------------------------------- openai client
+
+
+def _block(model, tracer):
+    model.model.layers[1].mlp.output[:] *= 0.5
+    logits = model.logits.save()  # noqa: F841
+
+
+def test_openai_client_with_code_payload(code_server, llama_path, hf_llama):
+    import openai
+
+    client = openai.OpenAI(base_url=code_server.url + "/v1", api_key=KEY)
+    resp = client.completions.create(
+        model="tiny", prompt="The capital of Japan is", max_tokens=1, temperature=0.0,
+        extra_body={"vllm_xargs": {"nnsight": make_payload(_block)}},
+    )
+    saves = results(resp.model_dump())
+    ids = _ids(llama_path, "The capital of Japan is")
+    ref = HFRun(hf_llama, ids).edit(hf_llama.model.layers[1].mlp, lambda x: x * 0.5).logits()
+    assert_close(saves["logits"][0], ref[-1])
+
+
+def test_code_payload_refused_without_operator_opt_in(spec_server, tmp_path):
+    import openai
+
+    marker = tmp_path / "pwned"
+
+    class Hostile:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    hostile = json.loads(make_payload(_block))
+    hostile["values"] = base64.b64encode(pickle.dumps({"x": Hostile()})).decode()
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key=KEY)
+    for payload in (make_payload(_block), json.dumps(hostile)):
+        with pytest.raises(openai.BadRequestError, match="VLLM_NNSIGHT_ALLOW_CODE"):
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=1,
+                                      extra_body={"vllm_xargs": {"nnsight": payload}})
+    assert not marker.exists()  # never unpickled
+    assert spec_server.health() == 200
+
+
+# ----------------------------------------------------------------- JSON specs
+
+
+def _spec(ops: list[dict]) -> str:
+    return json.dumps({"v": 1, "kind": "spec", "ops": ops})
+
+
+def test_json_spec_over_raw_http(spec_server, llama_path, hf_llama):
+    v = torch.linspace(-0.5, 0.5, 128)
+    spec = _spec([
+        {"op": "read", "name": "h1", "module": "model.layers.1", "index": 0},
+        {"op": "read", "name": "r1_last", "module": "model.layers.1", "index": 1, "positions": [-1]},
+        {"op": "add", "module": "model.layers.0", "index": 0, "value": v.tolist(), "steps": "all"},
+        {"op": "logits_topk", "name": "top", "k": 5, "steps": "all"},
+    ])
+    status, body = spec_server.post("/v1/completions", {
+        "model": "tiny", "prompt": "The Eiffel Tower is in", "max_tokens": 3, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True, "vllm_xargs": {"nnsight": spec}})
+    assert status == 200, body
+    raw = body["kv_transfer_params"]["nnsight"]
+    assert raw["error"] is None
+    h1 = tagged.decode(raw["saves"]["h1"])
+    r1_last = tagged.decode(raw["saves"]["r1_last"])
+    top = tagged.decode(raw["saves"]["top"])
+    ids = body["choices"][0]["prompt_token_ids"]
+    generated = body["choices"][0]["token_ids"]
+
+    def steered(tokens):
+        hf = HFRun(hf_llama, tokens).edit(hf_llama.model.layers[0], lambda h: h + v)
+        return hf.record("l1", hf_llama.model.layers[1]), hf
+
+    rec, hf = steered(ids)
+    ref = hf.logits()
+    assert h1.shape == (len(ids), 128) and r1_last.shape == (1, 128)
+    # the layer-1 reads see the steered stream: hidden + residual == HF layer 1 output
+    assert_close(h1[-1] + r1_last[0], rec.records["l1"][-1])
+    assert len(top) == 3
+    for k in range(3):
+        ref_k = HFRun(hf_llama, ids + generated[:k]).edit(hf_llama.model.layers[0], lambda h: h + v).logits()
+        vals, tok = ref_k[-1].topk(5)
+        assert_close(top[k]["values"], vals)
+        assert top[k]["ids"].tolist() == tok.tolist()
+        assert generated[k] == int(tok[0])
+    assert_close(top[0]["values"], ref[-1].topk(5).values)
+
+
+def test_spec_layer_read_matches_hf(spec_server, hf_llama):
+    spec = _spec([{"op": "read", "name": "o", "module": "model.layers.2", "index": None}])
+    status, body = spec_server.post("/v1/completions", {
+        "model": "tiny", "prompt": "Hello world", "max_tokens": 1, "return_token_ids": True,
+        "vllm_xargs": {"nnsight": spec}})
+    assert status == 200, body
+    hidden, residual = tagged.decode(body["kv_transfer_params"]["nnsight"]["saves"]["o"])
+    rec = HFRun(hf_llama, body["choices"][0]["prompt_token_ids"]).record("l2", hf_llama.model.layers[2])
+    rec.logits()
+    assert_close(hidden + residual, rec.records["l2"])
+
+
+def test_chat_and_streams_carry_results(spec_server):
+    spec = _spec([{"op": "logits_topk", "name": "top", "k": 3, "steps": "all"}])
+    status, body = spec_server.post("/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+        "ignore_eos": True, "vllm_xargs": {"nnsight": spec}})
+    assert status == 200, body
+    assert len(body["kv_transfer_params"]["nnsight"]["saves"]["top"]) == 2
+    for path, req in (
+        ("/v1/completions", {"prompt": "Hello"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+    ):
+        chunks = spec_server.stream(path, {"model": "tiny", "max_tokens": 3, "ignore_eos": True,
+                                           "vllm_xargs": {"nnsight": spec}, **req})
+        final = [c for c in chunks if any(ch.get("finish_reason") for ch in c.get("choices", []))]
+        assert len(final) == 1, chunks
+        top = tagged.decode(final[0]["kv_transfer_params"]["nnsight"]["saves"]["top"])
+        assert len(top) == 3
+        assert all("kv_transfer_params" not in c for c in chunks if c is not final[0])
+
+
+def test_untraced_requests_are_untouched(spec_server):
+    status, body = spec_server.post("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+    assert status == 200 and body.get("kv_transfer_params") is None
+    chunks = spec_server.stream("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+    assert all(c.get("kv_transfer_params") is None for c in chunks)
+
+
+def test_sixteen_concurrent_requests_half_traced(spec_server, llama_path, hf_llama):
+    prompt = "The quick brown fox"
+    ids = _ids(llama_path, prompt)
+    results_by_i: dict[int, tuple[int, dict]] = {}
+
+    def run(i: int) -> None:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 1}
+        if i % 2 == 0:
+            factor = 0.25 * (i // 2 + 1)
+            body["vllm_xargs"] = {"nnsight": _spec([
+                {"op": "scale", "module": "model.layers.1.mlp", "factor": factor},
+                {"op": "logits_topk", "name": "top", "k": 3}])}
+        results_by_i[i] = spec_server.post("/v1/completions", body)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    clean = HFRun(hf_llama, ids).logits()[-1]
+    for i, (status, body) in sorted(results_by_i.items()):
+        assert status == 200, body
+        if i % 2 == 0:
+            factor = 0.25 * (i // 2 + 1)
+            ref = HFRun(hf_llama, ids).edit(hf_llama.model.layers[1].mlp, lambda x, f=factor: x * f).logits()[-1]
+            top = tagged.decode(body["kv_transfer_params"]["nnsight"]["saves"]["top"])
+            assert_close(top["values"], ref.topk(3).values)
+        else:
+            assert body.get("kv_transfer_params") is None
+            lp = body["choices"][0]["logprobs"]["top_logprobs"][0]
+            assert abs(max(lp.values()) - float(torch.log_softmax(clean, -1).max())) < 1e-4
+
+
+@pytest.mark.parametrize("payload, match", [
+    ('{"v": 1, "kind": "code", "source": "x = 1", "filename": "f", "lineno": 1, "values": "!!!"}', "base64"),
+    (_spec([{"op": "read", "name": "a", "module": "model.layers.1", "steps": "sometimes"}]), r"ops\[0\]\.steps"),
+    (_spec([{"op": "scale", "module": "model.layers.1", "factor": "big"}]), r"ops\[0\]\.factor"),
+    (_spec([{"op": "explode", "module": "x"}]), r"ops\[0\]\.op"),
+    ("{not json", "not valid JSON"),
+    ("x" * (9 * 1024 * 1024), "over the limit"),
+])
+def test_bad_payloads_get_a_400_and_the_server_stays_up(code_server, payload, match):
+    status, body = code_server.post("/v1/completions", {
+        "model": "tiny", "prompt": "Hello", "max_tokens": 1, "vllm_xargs": {"nnsight": payload}})
+    assert status == 400, body
+    assert __import__("re").search(match, json.dumps(body)), body
+    assert code_server.health() == 200
+
+
+def test_truncated_pickle_is_a_per_request_error(code_server):
+    payload = json.loads(make_payload(_block))
+    payload["values"] = base64.b64encode(base64.b64decode(payload["values"])[:-5]).decode()
+    status, body = code_server.post("/v1/completions", {
+        "model": "tiny", "prompt": "Hello", "max_tokens": 2, "vllm_xargs": {"nnsight": json.dumps(payload)}})
+    assert status == 200
+    err = body["kv_transfer_params"]["nnsight"]["error"]
+    assert "bad payload" in err["message"]
+    assert body["choices"][0]["stop_reason"] == "nnsight_error"
+    assert code_server.health() == 200
+
+
+def test_api_key_gates_the_nnsight_routes(code_server):
+    req = urllib.request.Request(code_server.url + "/v1/nnsight/tree")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == 401
+    req.add_header("Authorization", f"Bearer {KEY}")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        tree = dict(json.loads(resp.read())["tree"])
+    assert tree["model.layers.3.mlp"] == "LlamaMLP"

@@ -1,0 +1,126 @@
+"""``trace(..., serve=URL)``: run invokes on a stock ``vllm serve`` over HTTP.
+
+Each invoke is one ``POST /v1/completions`` carrying the payload in
+``vllm_xargs``; the results come back in the response's ``kv_transfer_params``.
+No GPU, weights or vLLM are needed here: module paths are checked against the
+tree the server loaded (``GET /v1/nnsight/tree``) before anything is sent.
+Standard library HTTP only.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..payload import codec
+
+# SamplingParams fields a completion request accepts (unknown keywords are an error
+# here: vLLM's HTTP layer would silently ignore a typo).
+SAMPLING_FIELDS = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+    "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens",
+})
+
+
+class ServeError(RuntimeError):
+    """The server refused or failed a request (its message is included)."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        super().__init__(f"HTTP {status}: {message}")
+
+
+@dataclass
+class ServedCompletion:
+    """The parts of vLLM's ``CompletionOutput`` an HTTP response carries."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: Any
+
+
+@dataclass
+class ServedOutput:
+    """A served request's result, shaped like vLLM's ``RequestOutput``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[ServedCompletion]
+    kv_transfer_params: dict[str, Any] | None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    finished: bool = True
+    saves: dict[str, Any] = field(default_factory=dict)
+    nnsight_error: dict[str, Any] | None = None
+    nnsight_warnings: list[str] = field(default_factory=list)
+
+
+class Connection:
+    """A server URL and API key."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # noqa: S310 - user's URL
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            try:
+                text = json.loads(text).get("error", {}).get("message", text)
+            except (ValueError, AttributeError):
+                pass
+            raise ServeError(exc.code, text) from None
+
+    def model_name(self) -> str:
+        return self.request("GET", "/v1/models")["data"][0]["id"]
+
+    def tree(self) -> dict[str, str]:
+        return {path: cls for path, cls in self.request("GET", "/v1/nnsight/tree")["tree"]}
+
+
+def completion_body(model_name: str, prompt: Any, sampling: dict[str, Any], payload: str) -> dict[str, Any]:
+    unknown = sorted(set(sampling) - SAMPLING_FIELDS - {"extra_args"})
+    if unknown:
+        raise TypeError(f"unknown sampling keyword(s) for a served trace: {', '.join(unknown)}")
+    xargs = dict(sampling.pop("extra_args", None) or {})
+    xargs[codec.PAYLOAD_KEY] = payload
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    return {"model": model_name, "prompt": prompt, "return_token_ids": True,
+            "vllm_xargs": xargs, **sampling}
+
+
+def to_output(resp: dict[str, Any]) -> ServedOutput:
+    choice = resp["choices"][0]
+    return ServedOutput(
+        request_id=resp.get("id", ""),
+        prompt_token_ids=list(choice.get("prompt_token_ids") or []),
+        outputs=[ServedCompletion(c.get("index", 0), c.get("text", ""), list(c.get("token_ids") or []),
+                                  c.get("finish_reason"), c.get("stop_reason")) for c in resp["choices"]],
+        kv_transfer_params=resp.get("kv_transfer_params"),
+        raw=resp,
+    )
+
+
+def post_all(conn: Connection, bodies: list[dict[str, Any]]) -> list[ServedOutput]:
+    """Send the invokes concurrently (the server batches them), in order."""
+    with ThreadPoolExecutor(max_workers=min(len(bodies), 32)) as pool:
+        responses = list(pool.map(lambda b: conn.request("POST", "/v1/completions", b), bodies))
+    return [to_output(r) for r in responses]
