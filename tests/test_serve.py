@@ -67,13 +67,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(path: str, allow_code: bool, tmp_path_factory) -> Server:
+def _start(path: str, allow_code: bool, tmp_path_factory, extra: list[str] = ()) -> Server:
     port = _free_port()
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     env = dict(os.environ, VLLM_NNSIGHT_ALLOW_CODE="1" if allow_code else "0", VLLM_LOGGING_LEVEL="WARNING")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
            "--port", str(port), "--api-key", KEY, "--enforce-eager", "--dtype", "float32",
-           "--max-model-len", "512", "--max-num-seqs", "32", "--served-model-name", "tiny"]
+           "--max-model-len", "512", "--max-num-seqs", "32", "--served-model-name", "tiny", *extra]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", proc, log)
@@ -107,7 +107,8 @@ def code_server(llama_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec_server(llama_path, tmp_path_factory):
-    server = _start(llama_path, False, tmp_path_factory)
+    limits = {"nnsight": {"max_saved_bytes": 150_000, "max_saves": 300}}
+    server = _start(llama_path, False, tmp_path_factory, ["--additional-config", json.dumps(limits)])
     yield server
     _stop(server)
 
@@ -259,23 +260,36 @@ def test_spec_layer_read_matches_hf(spec_server, hf_llama):
     assert_close(hidden + residual, rec.records["l2"])
 
 
-def test_chat_and_streams_carry_results(spec_server):
+def test_chat_and_streams_carry_results(spec_server, llama_path, hf_llama):
+    from transformers import AutoTokenizer
+
     spec = _spec([{"op": "logits_topk", "name": "top", "k": 3, "steps": "all"}])
-    status, body = spec_server.post("/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
-        "ignore_eos": True, "vllm_xargs": {"nnsight": spec}})
+    messages = [{"role": "user", "content": "Hello"}]
+    common = {"model": "tiny", "max_tokens": 3, "ignore_eos": True, "temperature": 0.0,
+              "vllm_xargs": {"nnsight": spec}}
+    status, body = spec_server.post("/v1/chat/completions", {**common, "messages": messages})
     assert status == 200, body
-    assert len(body["kv_transfer_params"]["nnsight"]["saves"]["top"]) == 2
-    for path, req in (
-        ("/v1/completions", {"prompt": "Hello"}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+    chat_top = tagged.decode(body["kv_transfer_params"]["nnsight"]["saves"]["top"])
+    assert len(chat_top) == 3
+    tok = AutoTokenizer.from_pretrained(llama_path)
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    assert_close(chat_top[0]["values"], HFRun(hf_llama, ids).logits()[-1].topk(3).values)
+
+    status, body = spec_server.post("/v1/completions", {**common, "prompt": "Hello"})
+    plain_top = tagged.decode(body["kv_transfer_params"]["nnsight"]["saves"]["top"])
+    for path, req, expected in (
+        ("/v1/completions", {"prompt": "Hello"}, plain_top),
+        ("/v1/chat/completions", {"messages": messages}, chat_top),
     ):
-        chunks = spec_server.stream(path, {"model": "tiny", "max_tokens": 3, "ignore_eos": True,
-                                           "vllm_xargs": {"nnsight": spec}, **req})
+        chunks = spec_server.stream(path, {**common, **req})
         final = [c for c in chunks if any(ch.get("finish_reason") for ch in c.get("choices", []))]
         assert len(final) == 1, chunks
         top = tagged.decode(final[0]["kv_transfer_params"]["nnsight"]["saves"]["top"])
         assert len(top) == 3
+        for got, want in zip(top, expected):
+            assert torch.equal(got["ids"], want["ids"])
+            assert_close(got["values"], want["values"])
         assert all("kv_transfer_params" not in c for c in chunks if c is not final[0])
 
 
@@ -356,3 +370,20 @@ def test_api_key_gates_the_nnsight_routes(code_server):
     with urllib.request.urlopen(req, timeout=30) as resp:
         tree = dict(json.loads(resp.read())["tree"])
     assert tree["model.layers.3.mlp"] == "LlamaMLP"
+
+
+def test_operator_limits_on_saved_values(spec_server):
+    long_prompt = " ".join(["One two three four five six seven eight nine ten."] * 20)
+    cases = [
+        ({"op": "read", "name": "big", "module": "model.layers.0"}, long_prompt, 1, "bytes"),  # ~2 x n x 512 B
+        ({"op": "logits_topk", "name": "t", "k": 1, "steps": "all"}, "Hello", 200, "values"),  # 400 leaves
+    ]
+    for op, prompt, max_tokens, _ in cases:
+        status, body = spec_server.post("/v1/completions", {
+            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "vllm_xargs": {"nnsight": _spec([op])}})
+        assert status == 200, body
+        err = body["kv_transfer_params"]["nnsight"]["error"]
+        assert err is not None and "over this server's limits" in err["message"], body["kv_transfer_params"]
+        assert len(body["choices"][0]["text"]) >= 0
+    assert spec_server.health() == 200

@@ -73,12 +73,43 @@ def assign_into(target: Any, value: Any, where: str) -> None:
     raise ValueError(f"{where} is a {type(target).__name__} and cannot be assigned")
 
 
+DEFAULT_LIMITS = {"max_saved_bytes": 1 << 30, "max_saves": 100_000}
+
+
+def limits(settings: dict[str, Any]) -> dict[str, int]:
+    """Per-request result limits: ``--additional-config '{"nnsight": {"max_saved_bytes": N,
+    "max_saves": N}}'`` or ``VLLM_NNSIGHT_MAX_SAVED_BYTES`` / ``VLLM_NNSIGHT_MAX_SAVES``."""
+    import os
+
+    out = {}
+    for key, default in DEFAULT_LIMITS.items():
+        env = os.environ.get(f"VLLM_NNSIGHT_{key.upper()}")
+        out[key] = int(settings.get(key, env if env is not None else default))
+    return out
+
+
+def measure(value: Any) -> tuple[int, int]:
+    """(number of leaf values, tensor bytes) of a saved structure."""
+    if isinstance(value, torch.Tensor):
+        return 1, value.numel() * value.element_size()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        count = size = 0
+        for item in value:
+            c, b = measure(item)
+            count, size = count + c, size + b
+        return count, size
+    return 1, 0
+
+
 class Interleaver:
     """Worker-side state: sessions, waiters, hooks, the current step's layout."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any):
         self.model = model
         self.eager = compat.runs_eager(vllm_config)
+        self.limits = limits(compat.additional_config(vllm_config))
         self.root = WorkerEnvoy(model, "", self)
         self.tracer = WorkerTracer(self)
         self.sessions: dict[str, RequestSession] = {}
@@ -211,6 +242,15 @@ class Interleaver:
         entry = self.results.setdefault(session.req_id, {})
         snap = session.snapshot()
         if snap is not None:
+            count, size = measure(snap)
+            if count > self.limits["max_saves"] or size > self.limits["max_saved_bytes"]:
+                self._unwait(session)
+                session.fail(
+                    f"the block saved {count} values / {size} bytes, over this server's limits "
+                    f"({self.limits['max_saves']} values, {self.limits['max_saved_bytes']} bytes): save less "
+                    "(fewer steps or positions)"
+                )
+                snap = {}
             entry["saves"] = snap
         entry["error"] = session.error
         entry["done"] = session.done

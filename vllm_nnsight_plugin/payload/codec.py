@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import functools
 import io
 import json
 import os
@@ -111,7 +112,11 @@ def encode_code(payload: CodePayload) -> str:
 
 
 def parse_envelope(raw: Any) -> dict[str, Any]:
-    """Check a payload's structure without executing anything (front end)."""
+    """Check a payload's structure without executing anything (front end and worker).
+
+    Checked envelopes are cached by their text (the same block or spec sent for
+    many requests is parsed and schema-checked once); callers must not mutate them.
+    """
     if isinstance(raw, bytes):
         raw = raw.decode("utf-8", errors="replace")
     if not isinstance(raw, str):
@@ -119,6 +124,20 @@ def parse_envelope(raw: Any) -> dict[str, Any]:
     limit = max_payload_bytes()
     if len(raw) > limit:
         raise PayloadError(f"payload is {len(raw)} bytes, over the limit of {limit}")
+    if len(raw) <= _CACHEABLE:
+        return _parse_cached(raw)
+    return _parse(raw)
+
+
+_CACHEABLE = 64 * 1024
+
+
+@functools.lru_cache(maxsize=512)
+def _parse_cached(raw: str) -> dict[str, Any]:
+    return _parse(raw)
+
+
+def _parse(raw: str) -> dict[str, Any]:
     try:
         env = json.loads(raw)
     except json.JSONDecodeError as exc:
