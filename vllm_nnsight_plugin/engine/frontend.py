@@ -42,6 +42,11 @@ def check_payload(raw: Any, params: Any, vllm_config: Any = None) -> dict[str, A
         raise codec.PayloadError(reason)
     if getattr(params, "n", 1) != 1:
         raise codec.PayloadError("traced requests take n=1: run one invoke per sample instead of n>1")
+    if vllm_config is not None and compat.uses_v2_runner(vllm_config):
+        raise codec.PayloadError(
+            "this engine runs vLLM's Model Runner V2, which vllm-nnsight-plugin does not hook yet, "
+            "so the intervention could not apply: start the engine with VLLM_USE_V2_MODEL_RUNNER=0"
+        )
     if vllm_config is not None and not compat.runs_eager(vllm_config) and touches_modules(env):
         raise codec.PayloadError(
             "this engine runs compiled code / CUDA graphs, which skip Python hooks, so module "
