@@ -4,6 +4,7 @@ fp32 reference with the same weights."""
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -17,7 +18,9 @@ import torch  # noqa: E402
 
 from vllm_nnsight_plugin import tiny  # noqa: E402
 
-TOL = 1e-4
+# Overrides for other machines (the GPU run sets a memory share and, if needed, a tolerance).
+TOL = float(os.environ.get("NNSIGHT_TEST_TOL", "1e-4"))
+ENGINE_KWARGS = json.loads(os.environ.get("NNSIGHT_TEST_ENGINE_KWARGS", "{}"))
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +44,7 @@ def llama(llama_path: str):
     from vllm_nnsight_plugin import VLLM
 
     model = VLLM(llama_path, dispatch=True, dtype="float32", max_model_len=512,
-                 max_num_seqs=32, enable_prefix_caching=True, seed=0)
+                 max_num_seqs=32, enable_prefix_caching=True, seed=0, **ENGINE_KWARGS)
     yield model
     model.shutdown()
 
@@ -53,7 +56,7 @@ def gpt2(gpt2_path: str):
     from vllm_nnsight_plugin import VLLM
 
     model = VLLM(gpt2_path, dtype="float32", max_model_len=512, max_num_seqs=8,
-                 max_num_batched_tokens=64, enable_chunked_prefill=True, seed=0)
+                 max_num_batched_tokens=64, enable_chunked_prefill=True, seed=0, **ENGINE_KWARGS)
     yield model
     model.shutdown()
 

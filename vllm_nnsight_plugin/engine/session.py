@@ -130,6 +130,7 @@ class RequestSession:
     _saved: dict[int, Any] = field(default_factory=dict)
     _shipped: dict[str, int] = field(default_factory=dict)
     _dirty: bool = False
+    _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _glet: greenlet.greenlet | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -270,7 +271,11 @@ class RequestSession:
 
     # ------------------------------------------------------------ results
     def snapshot(self) -> dict[str, Any] | None:
-        """The saved values bound to names, or None when unchanged since last time."""
+        """The saved values bound to names, or None when nothing changed.
+
+        Saved lists and dicts can grow without a new ``.save()``; they are shipped
+        when something was saved this step and once more when the block is over.
+        """
         saved = self._saved
         current = {
             name: value
@@ -278,12 +283,29 @@ class RequestSession:
             if saved.get(id(value)) is value and not name.startswith("__")
         }
         ids = {name: id(v) for name, v in current.items()}
-        containers = any(isinstance(v, (list, dict)) for v in current.values())
+        finished = self.done or self.ended or self.error is not None
+        containers = finished and any(isinstance(v, (list, dict)) for v in current.values())
         if ids == self._shipped and not self._dirty and not containers:
             return None
         self._shipped = ids
         self._dirty = False
-        return {name: _to_cpu(v) for name, v in current.items()}
+        return {name: self._to_cpu(v) for name, v in current.items()}
+
+    def _to_cpu(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "cpu":
+                return value
+            hit = self._cpu.get(id(value))
+            if hit is None or hit[0] is not value:
+                hit = self._cpu[id(value)] = (value, value.cpu())
+            return hit[1]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(self._to_cpu(v) for v in value)
+        if isinstance(value, list):
+            return [self._to_cpu(v) for v in value]
+        if isinstance(value, dict):
+            return {k: self._to_cpu(v) for k, v in value.items()}
+        return value
 
     def pending(self) -> dict[str, Any] | None:
         if self.wait is None or self.done or self.error is not None:
@@ -294,14 +316,3 @@ class RequestSession:
             "open_ended": any(b is None for b in self.iter_bounds),
         }
 
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_to_cpu(v) for v in value)
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value

@@ -1,0 +1,134 @@
+"""The headline GPU benchmark (run on the lent H200; see benchmarks/gpu/README.md).
+
+Workload (the anchor harness's): a ~1.1B dummy-weight Llama (hidden 2048, 16 layers,
+32/8 heads, vocab 32000) in bf16, 256 prompts x 128 random token ids -> 128 output
+tokens (ignore_eos, temperature 0.8, top_p 0.95), warm-up at full batch, then
+REPS timed reps. Each variant runs in its own process, one after another; only
+ratios to stock-with-graphs from the same run count.
+
+    python3 benchmarks/gpu/headline.py --variants stock_graphs,stock_eager,idle_graphs,v1_eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+MODEL = "/tmp/models/l1b"
+N, PLEN, OLEN = 256, 128, 128
+
+
+def make_config() -> None:
+    if os.path.exists(f"{MODEL}/config.json"):
+        return
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                torch_dtype="bfloat16").save_pretrained(MODEL)
+
+
+def prefill_capture(model, tracer):
+    out = model.model.layers[8].output
+    stream = (out[0] + out[1]).save()  # noqa: F841 - the residual stream over the whole prefill
+
+
+def every_token_capture(model, tracer):
+    rows = []
+    for _ in tracer.all():
+        out = model.model.layers[8].output
+        rows.append(out[0] + out[1])  # a new tensor: safe to keep past the step
+    stream = rows.save()  # noqa: F841
+
+
+VARIANTS = {
+    # name: (plugin on, V1 runner, enforce_eager, workloads)
+    "stock_graphs": (False, False, False, ["plain"]),
+    "stock_eager": (False, False, True, ["plain"]),
+    "idle_graphs": (True, False, False, ["plain"]),
+    "stock_v1_eager": (False, True, True, ["plain"]),
+    "v1_eager": (True, True, True, ["plain", "prefill", "every_token"]),
+}
+
+
+def child(variant: str, reps: int) -> None:
+    from vllm import LLM, SamplingParams
+
+    from vllm_nnsight_plugin import make_payload, results
+
+    _, _, eager, workloads = VARIANTS[variant]
+    t0 = time.time()
+    llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=eager,
+              dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5, seed=0)
+    init = time.time() - t0
+    random.seed(0)
+    prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(PLEN)]} for _ in range(N)]
+
+    def params(block=None):
+        extra = {"nnsight": make_payload(block)} if block else None
+        return SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
+                              detokenize=False, extra_args=extra)
+
+    sps = {"plain": params(), "prefill": params(prefill_capture), "every_token": params(every_token_capture)}
+    for name in workloads:  # warm-up at full batch size (first full batch compiles kernels)
+        llm.generate(prompts, sps[name], use_tqdm=False)
+    times: dict[str, list[float]] = {w: [] for w in workloads}
+    for _ in range(reps):
+        for name in workloads:
+            t = time.time()
+            outs = llm.generate(prompts, sps[name], use_tqdm=False)
+            times[name].append(time.time() - t)
+            if name != "plain":
+                stream = results(outs[0])["stream"]
+                assert (stream.shape[0] == PLEN) if name == "prefill" else (len(stream) == OLEN)
+    ntok = N * OLEN
+    print("RESULT " + json.dumps({
+        "variant": variant, "init_s": round(init, 1),
+        "tok_s": {w: ntok / statistics.median(v) for w, v in times.items()},
+        "reps": {w: [round(ntok / x) for x in v] for w, v in times.items()},
+    }), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--child")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.reps)
+        return
+    make_config()
+    out_dir = os.environ.get("OUT", ".")
+    rows = []
+    for variant in args.variants.split(","):
+        plugin, v1, _, _ = VARIANTS[variant]
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+        env["VLLM_NNSIGHT_DISABLE"] = "0" if plugin else "1"
+        if v1:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        else:
+            env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        t = time.time()
+        proc = subprocess.run([sys.executable, __file__, "--child", variant, "--reps", str(args.reps)],
+                              env=env, capture_output=True, text=True, timeout=1200)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"{variant} FAILED after {time.time() - t:.0f}s:\n{proc.stderr[-4000:]}", flush=True)
+            continue
+        res = json.loads(lines[-1][7:])
+        print(json.dumps(res), flush=True)
+        rows.append(res)
+        with open(os.path.join(out_dir, "headline.jsonl"), "a") as fh:
+            fh.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs on the lent H200 machine from the repo root (carry .whl): stages CUDA vLLM 0.26.0
+# and this package, then runs what is asked:
+#   bash benchmarks/gpu/remote.sh tests      parity tests on CUDA (V1 runner, fp32 + bf16 subset)
+#   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
+set -euo pipefail
+what="${1:?tests|headline}"; shift || true
+cd .whl && source stage.sh && cd ..
+export PYTHONPATH=/tmp/site          # not the repo root: the installed copy carries the entry point
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/extra/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v WARNING || true
+python3 -c "import vllm, vllm_nnsight_plugin, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+case "$what" in
+  tests)
+    export NNSIGHT_TEST_ENGINE_KWARGS='{"gpu_memory_utilization": 0.25}'
+    python3 -m pytest -q -p no:cacheprovider tests/test_parity_llama.py tests/test_parity_gpt2.py \
+      tests/test_engine_isolation.py tests/test_gpu_bf16.py "$@" 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+  headline)
+    python3 benchmarks/gpu/headline.py "$@" 2>&1 | tee "$OUT/headline.log" ;;
+esac
