@@ -16,7 +16,7 @@ PROMPT = "The capital of Japan is"
 def test_construction_is_lazy_and_first_trace_dispatches(gpt2, hf_gpt2):
     assert not gpt2.dispatched  # VLLM(path) started nothing
     with gpt2.trace(PROMPT, temperature=0.0) as tracer:
-        blocks = [block.output for block in gpt2.transformer.h].save()
+        blocks = [block.output.save() for block in gpt2.transformer.h].save()
         logits = gpt2.logits.save()
     assert gpt2.dispatched
     ids = tracer.outputs[0].prompt_token_ids

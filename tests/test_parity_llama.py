@@ -16,7 +16,8 @@ def _ids(llama, prompt: str) -> list[int]:
 def test_every_layer_output_and_logits(llama, hf_llama):
     n = len(hf_llama.model.layers)
     with llama.trace(PROMPT, temperature=0.0) as tracer:
-        saved = [layer.output for layer in llama.model.layers].save()
+        # save each layer as it is read: vLLM's fused kernels overwrite these buffers later
+        saved = [layer.output.save() for layer in llama.model.layers].save()
         logits = llama.logits.save()
     ids = tracer.outputs[0].prompt_token_ids
     hf = HFRun(hf_llama, ids)

@@ -14,6 +14,11 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 case "$what" in
   tests)
     export NNSIGHT_TEST_ENGINE_KWARGS='{"gpu_memory_utilization": 0.25}'
+    # the test process touches CUDA after its first engine: later engines must spawn
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn
+    # exact fp32 for the HF comparison: Triton kernels (vLLM's fp32 attention on Hopper)
+    # use TF32 dots by default, ~2.5e-3 off a CPU fp32 reference
+    export TRITON_F32_DEFAULT="${TRITON_F32_DEFAULT:-ieee}"
     python3 -m pytest -q -p no:cacheprovider tests/test_parity_llama.py tests/test_parity_gpt2.py \
       tests/test_engine_isolation.py tests/test_gpu_bf16.py "$@" 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
   headline)

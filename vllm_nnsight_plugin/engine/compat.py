@@ -172,9 +172,10 @@ def v1_batch(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int, in
     return out
 
 
-def will_finish(runner: Any, req_id: str) -> bool:
+def will_finish(runner: Any, req_id: str, sampled: Callable[[], int]) -> bool:
     """Whether the token sampled this step ends the request (as the scheduler's
-    stop check will decide). Stop strings are only seen by the front end."""
+    stop check will decide). Stop strings are only seen by the front end.
+    ``sampled()`` reads this step's token when async scheduling left a placeholder."""
     state = runner.requests.get(req_id)
     if state is None or not state.output_token_ids:
         return False
@@ -189,7 +190,8 @@ def will_finish(runner: Any, req_id: str) -> bool:
         return True
     if len(out) < (params.min_tokens or 0):
         return False
-    return out[-1] in params.all_stop_token_ids
+    last = out[-1] if out[-1] >= 0 else sampled()
+    return last in params.all_stop_token_ids
 
 
 def runner_model(runner: Any) -> Any:
@@ -198,7 +200,12 @@ def runner_model(runner: Any) -> Any:
 
 def attach_results(model_runner_output: Any, results: dict) -> None:
     """Results ride the runner output as an extra attribute (pickles with it)."""
-    target = getattr(model_runner_output, "model_runner_output", model_runner_output)
+    target = model_runner_output
+    for attr in ("_model_runner_output", "model_runner_output"):  # async-scheduling wrappers
+        inner = getattr(target, attr, None)
+        if inner is not None:
+            target = inner
+            break
     if target is None or type(target).__name__ != "ModelRunnerOutput":
         return
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT

@@ -32,6 +32,8 @@ class StepLayout:
     rows: dict[str, int]  # req_id -> index among the step's requests (logits/samples row)
     num_tokens: int  # leading size of activation tensors (including any padding)
     logits: dict[str, Any] = field(default_factory=dict)  # req_id -> this step's logits row (copy)
+    sampled: Any = None  # this step's sampled token ids (device tensor), once sampled
+    sampled_cpu: list | None = None
 
 
 def narrow(value: Any, start: int, end: int, num_tokens: int) -> Any:
@@ -111,6 +113,7 @@ class Interleaver:
         self.eager = compat.runs_eager(vllm_config)
         self.limits = limits(compat.additional_config(vllm_config))
         self.root = WorkerEnvoy(model, "", self)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
         self.sessions: dict[str, RequestSession] = {}
         self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
@@ -135,10 +138,21 @@ class Interleaver:
                 return
             session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
             payload = codec.load_code(env, self._resolver())
-            session.namespace.update(payload.values)
+            session.namespace.update({k: self._to_device(v) for k, v in payload.values.items()})
         except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
             session.fail(f"bad payload: {exc}")
             self._record(session)
+
+    def _to_device(self, value: Any) -> Any:
+        """Tensors the block brought along (a steering vector built on a laptop) go to
+        the engine's device, so ``output += v`` works wherever the client ran."""
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device) if value.device != self.device else value
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self._to_device(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._to_device(v) for k, v in value.items()}
+        return value
 
     def _admit_spec(self, session: RequestSession, env: dict[str, Any]) -> None:
         from functools import partial
@@ -237,6 +251,11 @@ class Interleaver:
         self._prune_hooks()
         results, self.results = self.results, {}
         return results
+
+    def between_steps(self, req_id: str) -> bool:
+        """A block parked until a later step (``tracer.iter``/``tracer.all()``)."""
+        session = self.sessions.get(req_id)
+        return session is not None and session.active and session.wait is not None and session.wait.kind == "step"
 
     def _record(self, session: RequestSession) -> None:
         entry = self.results.setdefault(session.req_id, {})

@@ -115,8 +115,10 @@ def _sample(original: Callable) -> Callable:
     def sample(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         inter = self.__dict__.get(_ATTR)
-        if inter is not None and inter.layout is not None and inter.waiters.get(("samples",)):
-            inter.serve(("samples",), out.sampled_token_ids, row_based=True)
+        if inter is not None and inter.layout is not None:
+            inter.layout.sampled = out.sampled_token_ids
+            if inter.waiters.get(("samples",)):
+                inter.serve(("samples",), out.sampled_token_ids, row_based=True)
         return out
 
     return sample
@@ -127,7 +129,17 @@ def _sample_tokens(original: Callable) -> Callable:
         out = original(self, *args, **kwargs)
         inter = self.__dict__.get(_ATTR)
         if inter is not None and inter.layout is not None:
-            finishing = {r for r in inter.layout.spans if r in inter.sessions and compat.will_finish(self, r)}
+            layout = inter.layout
+
+            def sampled(req_id: str) -> int:
+                if layout.sampled_cpu is None:  # one device->host copy per step, only if needed
+                    layout.sampled_cpu = layout.sampled.reshape(len(layout.rows), -1)[:, 0].tolist()
+                return int(layout.sampled_cpu[layout.rows[req_id]])
+
+            finishing = {
+                r for r in layout.spans
+                if inter.between_steps(r) and compat.will_finish(self, r, lambda r=r: sampled(r))
+            }
             results = inter.end_step(finishing)
             if results:
                 compat.attach_results(out, results)
