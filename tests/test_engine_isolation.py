@@ -73,7 +73,14 @@ def test_prefix_cache_never_mixes_edited_and_clean_kv(llama, hf_llama):
 
     clean_after = llm.generate([LONG], _plain(3), use_tqdm=False)[0]
     assert clean_after.num_cached_tokens and clean_after.num_cached_tokens > 0  # cache was used...
-    assert _tokens_and_logprobs(clean_after) == _tokens_and_logprobs(clean_before)  # ...and clean
+    # ...and clean: same tokens, same logprobs (a cache hit takes another kernel path, so on
+    # GPU the last bits may differ; KV written under the edit would move them by ~1e-1)
+    tokens_before, lps_before = _tokens_and_logprobs(clean_before)
+    tokens_after, lps_after = _tokens_and_logprobs(clean_after)
+    assert tokens_after == tokens_before
+    for before, after in zip(lps_before, lps_after):
+        assert before.keys() == after.keys()
+        assert all(abs(before[t][0] - after[t][0]) < 1e-4 for t in before)
     clean_ref = HFRun(hf_llama, ids).logits()
     first_token = clean_after.outputs[0].token_ids[0]
     assert int(clean_ref[-1].argmax()) == first_token
