@@ -3,6 +3,7 @@
 # and this package, then runs what is asked:
 #   bash benchmarks/gpu/remote.sh tests      parity tests on CUDA (V1 runner, fp32 + bf16 subset)
 #   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
+#   bash benchmarks/gpu/remote.sh profile [plain prefill every_token]
 set -euo pipefail
 what="${1:?tests|headline}"; shift || true
 cd .whl && source stage.sh && cd ..
@@ -23,4 +24,8 @@ case "$what" in
       tests/test_engine_isolation.py tests/test_gpu_bf16.py "$@" 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
   headline)
     python3 benchmarks/gpu/headline.py "$@" 2>&1 | tee "$OUT/headline.log" ;;
+  profile)
+    for w in "${@:-plain prefill every_token}"; do
+      for x in $w; do python3 benchmarks/gpu/profile_capture.py "$x" > "$OUT/profile_$x.txt" 2>&1 || true; done
+    done ;;
 esac
