@@ -247,6 +247,10 @@ class Interleaver:
             if req_id in finishing:
                 self._run(session, session.end)
             self._record(session)
+            if not session.active:  # results shipped: no more per-step work for this request
+                self._unwait(session)
+                session.close()
+                del self.sessions[req_id]
         self.layout = None
         self._prune_hooks()
         results, self.results = self.results, {}

@@ -289,23 +289,33 @@ class RequestSession:
             return None
         self._shipped = ids
         self._dirty = False
-        return {name: self._to_cpu(v) for name, v in current.items()}
+        return self._to_cpu(current)
 
     def _to_cpu(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.device.type == "cpu":
-                return value
-            hit = self._cpu.get(id(value))
-            if hit is None or hit[0] is not value:
-                hit = self._cpu[id(value)] = (value, value.cpu())
-            return hit[1]
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(self._to_cpu(v) for v in value)
-        if isinstance(value, list):
-            return [self._to_cpu(v) for v in value]
-        if isinstance(value, dict):
-            return {k: self._to_cpu(v) for k, v in value.items()}
-        return value
+        """A CPU copy of a saved structure, with one device-to-host copy per dtype
+        (a list of 128 per-step rows costs one synchronisation, not 128)."""
+        leaves: list[torch.Tensor] = []
+        _collect(value, leaves)
+        moved: dict[int, torch.Tensor] = {}
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in leaves:
+            if t.device.type == "cpu":
+                moved[id(t)] = t
+            else:
+                hit = self._cpu.get(id(t))
+                if hit is not None and hit[0] is t:
+                    moved[id(t)] = hit[1]
+                else:
+                    groups.setdefault((t.dtype, t.device), []).append(t)
+        for group in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in group]).cpu() if len(group) > 1 else None
+            offset = 0
+            for t in group:
+                cpu = flat[offset : offset + t.numel()].view(t.shape) if flat is not None else t.cpu()
+                offset += t.numel()
+                self._cpu[id(t)] = (t, cpu)
+                moved[id(t)] = cpu
+        return _rebuild(value, moved)
 
     def pending(self) -> dict[str, Any] | None:
         if self.wait is None or self.done or self.error is not None:
@@ -316,3 +326,26 @@ class RequestSession:
             "open_ended": any(b is None for b in self.iter_bounds),
         }
 
+
+
+def _collect(value: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect(v, out)
+
+
+def _rebuild(value: Any, moved: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return moved[id(value)]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_rebuild(v, moved) for v in value)
+    if isinstance(value, list):
+        return [_rebuild(v, moved) for v in value]
+    if isinstance(value, dict):
+        return {k: _rebuild(v, moved) for k, v in value.items()}
+    return value
