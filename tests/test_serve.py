@@ -387,3 +387,15 @@ def test_operator_limits_on_saved_values(spec_server):
         assert err is not None and "over this server's limits" in err["message"], body["kv_transfer_params"]
         assert len(body["choices"][0]["text"]) >= 0
     assert spec_server.health() == 200
+
+
+def test_meta_tree_is_exactly_what_the_server_loaded(code_server, llama_path):
+    from vllm_nnsight_plugin.client.served import Connection
+
+    model = VLLM(llama_path)  # GPU-less client: vLLM's model class on the meta device
+    tree = model.meta_tree()
+    assert not model.dispatched
+    assert tree == Connection(code_server.url, KEY).tree()
+    assert tree["model.layers.0.self_attn.qkv_proj"] == "QKVParallelLinear"  # vLLM's paths, not HF's
+    with pytest.raises(AttributeError, match="submodules"):
+        model.model.layers[0].q_proj  # noqa: B018

@@ -92,6 +92,35 @@ class VLLM(Envoy):
     def __nnsight_ref__(self) -> tuple:
         return ("model",)
 
+    # ------------------------------------------------------------ module tree
+    def meta_tree(self) -> dict[str, str] | None:
+        """The module tree vLLM builds for this model: the engine's after dispatch,
+        else vLLM's model class built on the meta device from the config (no weights,
+        no GPU; needs a vLLM install). None if it cannot be built here."""
+        if self._tree is None and not self.__dict__.get("_meta_failed"):
+            from .meta import meta_tree
+
+            kwargs = {k: v for k, v in self.llm_kwargs.items() if k in ("dtype", "trust_remote_code",
+                                                                          "revision", "hf_overrides")}
+            try:
+                object.__setattr__(self, "_tree", meta_tree(self.model_path, **kwargs))
+            except Exception as exc:  # noqa: BLE001 - inspection is best effort without vLLM
+                import warnings
+
+                object.__setattr__(self, "_meta_failed", True)
+                warnings.warn(f"no module tree for {self.model_path!r} here ({exc}); paths are "
+                              "checked by the engine instead", RuntimeWarning, stacklevel=3)
+        return self._tree
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            self.meta_tree()
+        return super().__getattr__(name)
+
+    def __repr__(self) -> str:
+        self.meta_tree()
+        return super().__repr__()
+
     # ------------------------------------------------------------ engine
     def dispatch(self) -> VLLM:
         """Start the engine (once) and learn the module tree it loaded."""

@@ -245,6 +245,13 @@ def stamp(engine_core_output: Any, key: str, value: Any) -> None:
     engine_core_output.kv_transfer_params = params
 
 
+def build_model(vllm_config: Any) -> Any:
+    """Instantiate vLLM's model class for a config (weights not loaded)."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    return initialize_model(vllm_config=vllm_config)
+
+
 # ----------------------------------------------------------------- front end
 
 
