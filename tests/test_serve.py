@@ -67,17 +67,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(path: str, allow_code: bool, tmp_path_factory, extra: list[str] = ()) -> Server:
+def _start(path: str, allow_code: bool, tmp_path_factory, extra: list[str] = (), eager: bool = True) -> Server:
     port = _free_port()
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     env = dict(os.environ, VLLM_NNSIGHT_ALLOW_CODE="1" if allow_code else "0", VLLM_LOGGING_LEVEL="WARNING")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
-           "--port", str(port), "--api-key", KEY, "--enforce-eager", "--dtype", "float32",
+           "--port", str(port), "--api-key", KEY, *(["--enforce-eager"] if eager else []), "--dtype", "float32",
            "--max-model-len", "512", "--max-num-seqs", "32", "--served-model-name", "tiny", *extra]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.time() + 300
+    deadline = time.time() + 400
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(open(log).read()[-3000:])
@@ -399,3 +399,29 @@ def test_meta_tree_is_exactly_what_the_server_loaded(code_server, llama_path):
     assert tree["model.layers.0.self_attn.qkv_proj"] == "QKVParallelLinear"  # vLLM's paths, not HF's
     with pytest.raises(AttributeError, match="submodules"):
         model.model.layers[0].q_proj  # noqa: B018
+
+
+@pytest.fixture(scope="module")
+def compiled_server(llama_path, tmp_path_factory):
+    """A server running torch.compile (dynamo with the eager backend: fast to build on
+    CPU), i.e. an engine where Python hooks would not run on every step."""
+    server = _start(llama_path, True, tmp_path_factory,
+                    ["--compilation-config", '{"mode": 3, "backend": "eager"}'], eager=False)
+    yield server
+    _stop(server)
+
+
+def test_compiled_engine_refuses_module_access_with_400_but_serves_logits(compiled_server, llama_path, hf_llama):
+    module_spec = _spec([{"op": "read", "name": "h", "module": "model.layers.1"}])
+    logits_spec = _spec([{"op": "logits_topk", "name": "t", "k": 3}])
+    for payload in (module_spec, make_payload(_block)):
+        status, body = compiled_server.post("/v1/completions", {
+            "model": "tiny", "prompt": "Hello", "max_tokens": 1, "vllm_xargs": {"nnsight": payload}})
+        assert status == 400 and "--enforce-eager" in body["error"]["message"], body
+    status, body = compiled_server.post("/v1/completions", {
+        "model": "tiny", "prompt": "Hello world", "max_tokens": 1, "return_token_ids": True,
+        "vllm_xargs": {"nnsight": logits_spec}})
+    assert status == 200, body
+    top = tagged.decode(body["kv_transfer_params"]["nnsight"]["saves"]["t"])
+    ref = HFRun(hf_llama, body["choices"][0]["prompt_token_ids"]).logits()[-1]
+    assert_close(top["values"], ref.topk(3).values)
