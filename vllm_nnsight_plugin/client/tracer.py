@@ -43,7 +43,7 @@ class _Capturing:
         values = gather_values(frame, block.names)
         if block.as_name and block.as_name in block.names:
             values[block.as_name] = self
-        self._skipper = BodySkipper(frame)
+        self._skipper = BodySkipper(frame, block.lineno)
         self._skipper.arm()
         return block, values
 
@@ -57,11 +57,13 @@ class Tracer(_Capturing):
     """The object bound by ``with model.trace(...) as tracer``."""
 
     def __init__(self, model: VLLM, prompt: Any = _NO_PROMPT, serve: str | None = None,
-                 api_key: str | None = None, **sampling: Any):
+                 api_key: str | None = None, stream_saves: bool = False, **sampling: Any):
         self.model = model
         self._prompt = prompt
         self._sampling = sampling
         self._serve = (serve, api_key) if serve else None
+        self._stream_saves = stream_saves
+        self.backend: Any = None  # mode="async": the stream of this trace's outputs
         self._invokes: list[Invoke] = []
         self._frame: FrameType | None = None
         self._open_invoke = False
@@ -119,6 +121,9 @@ class Tracer(_Capturing):
 
     def _run(self) -> None:
         if not self._invokes:
+            return
+        if getattr(self.model, "mode", "sync") == "async" and self._serve is None:
+            self.backend = self.model._submit_async(self._invokes, self._sampling, self._stream_saves)
             return
         outputs = self.model._run_invokes(self._invokes, self._sampling, self._serve)
         self.outputs = outputs

@@ -12,6 +12,7 @@ def install() -> None:
     compat.when_class(compat.SCHEDULER, results.install)
     compat.when_class(compat.INPUT_PROCESSOR, frontend.install)
     compat.when_class(compat.WORKER_BASE, rpc.install)
+    compat.when_class(compat.ENGINE_CORE, rpc.install_engine_core)
     compat.when_class(compat.REQUEST_OUTPUT, install_saves_property)
 
     from .. import serve

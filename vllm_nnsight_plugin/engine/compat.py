@@ -20,6 +20,7 @@ RUNNER_V1 = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
 INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
+ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
 REQUEST_OUTPUT = ("vllm.outputs", "RequestOutput")
 SERVING_COMPLETION = ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion")
 SERVING_CHAT = ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat")
@@ -229,6 +230,15 @@ def stop_request(request: Any, reason: str) -> None:
     request.stop_reason = reason
 
 
+STREAM_KEY = "nnsight_stream"  # extra_args flag: deliver saves with every step's output
+
+
+def streams_saves(request: Any) -> bool:
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) or {}
+    return bool(extra.get(STREAM_KEY))
+
+
 def has_stop_strings(request: Any) -> bool:
     params = getattr(request, "sampling_params", None)
     return bool(params is not None and params.stop)
@@ -255,8 +265,29 @@ def build_model(vllm_config: Any) -> Any:
 # ----------------------------------------------------------------- front end
 
 
+def engine_utility(llm: Any, method: str, *args: Any) -> Any:
+    """Call an EngineCore method of a ``vllm.LLM`` (sync)."""
+    return llm.llm_engine.engine_core.call_utility(method, *args)
+
+
+async def engine_utility_async(engine: Any, method: str, *args: Any) -> Any:
+    """Call an EngineCore method of an ``AsyncLLM``."""
+    return await engine.engine_core.call_utility_async(method, *args)
+
+
+def make_async_engine(model: str, kwargs: dict[str, Any]) -> Any:
+    """vLLM's ``AsyncLLM`` for a model, from ``vllm.LLM``-style keywords."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **kwargs))
+
+
 def shutdown_llm(llm: Any) -> None:
-    """Stop a ``vllm.LLM``'s engine processes now (instead of at interpreter exit)."""
+    """Stop a ``vllm.LLM``'s (or ``AsyncLLM``'s) engine processes now."""
+    if hasattr(llm, "shutdown") and not hasattr(llm, "llm_engine"):
+        llm.shutdown()
+        return
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):

@@ -275,6 +275,8 @@ class Interleaver:
                 )
                 snap = {}
             entry["saves"] = snap
+            entry["changed"] = list(session.changed)
+            entry["step"] = session.step - 1 if session.step else 0
         entry["error"] = session.error
         entry["done"] = session.done
         entry["stop"] = session.stopped

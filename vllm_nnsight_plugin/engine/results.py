@@ -35,6 +35,9 @@ def merge(store: dict[str, dict[str, Any]], step_results: dict[str, dict[str, An
         if "saves" in update:
             entry["saves"] = update["saves"]
             entry["dirty"] = True
+            changed = update.get("changed", list(update["saves"]))
+            entry["step_saves"] = {n: update["saves"][n] for n in changed if n in update["saves"]}
+            entry["step"] = update.get("step", 0)
         for key in ("error", "done", "stop", "pending"):
             if key in update:
                 entry[key] = update[key]
@@ -76,12 +79,20 @@ def _update_from_output(original: Callable) -> Callable:
             if entry is None:
                 continue
             if eco.finish_reason is not None:
-                compat.stamp(eco, codec.PAYLOAD_KEY, finalize(store.pop(eco.request_id)))
+                final = finalize(store.pop(eco.request_id))
+                final["final"] = True
+                compat.stamp(eco, codec.PAYLOAD_KEY, final)
             elif entry.pop("dirty", False):
                 request = self.requests.get(eco.request_id)
-                # Stop strings end requests in the front end, where this scheduler
-                # never sees the finish: keep the latest results on every output.
-                if request is not None and compat.has_stop_strings(request):
+                step_saves = entry.pop("step_saves", None)
+                if request is not None and compat.streams_saves(request):
+                    # per-step delivery: what the block saved during this step
+                    partial = codec.encode_results(step_saves or {}, entry.get("error"), [])
+                    partial["step"] = entry.get("step", 0)
+                    compat.stamp(eco, codec.PAYLOAD_KEY, partial)
+                elif request is not None and compat.has_stop_strings(request):
+                    # Stop strings end requests in the front end, where this scheduler
+                    # never sees the finish: keep the latest results on every output.
                     compat.stamp(eco, codec.PAYLOAD_KEY, finalize(entry))
         for req_id in [r for r in store if r not in self.requests]:
             del store[req_id]

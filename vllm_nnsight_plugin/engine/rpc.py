@@ -32,7 +32,33 @@ def nnsight_probe(self: Any) -> dict[str, Any]:
     }
 
 
+def nnsight_stats(self: Any) -> dict[str, int]:
+    """What the worker holds for traced requests (all zero when none are in flight)."""
+    from .runner_v1 import interleaver_of
+
+    inter = interleaver_of(self.model_runner)
+    if inter is None:
+        return {"sessions": 0, "hooks": 0, "waiters": 0, "results": 0}
+    return {
+        "sessions": len(inter.sessions),
+        "hooks": len(inter.hooks),
+        "waiters": sum(len(v) for v in inter.waiters.values()),
+        "results": len(inter.results),
+    }
+
+
+def engine_nnsight_stats(self: Any) -> dict[str, Any]:
+    """EngineCore utility: the scheduler's pending results plus every worker's stats."""
+    store = getattr(self.scheduler, "__dict__", {}).get("_nnsight_results") or {}
+    return {"scheduler_results": len(store), "workers": self.model_executor.collective_rpc("nnsight_stats")}
+
+
+def install_engine_core(engine_core_cls: type) -> None:
+    if "nnsight_stats" not in engine_core_cls.__dict__:
+        engine_core_cls.nnsight_stats = engine_nnsight_stats
+
+
 def install(worker_cls: type) -> None:
-    for fn in (nnsight_module_tree, nnsight_probe):
+    for fn in (nnsight_module_tree, nnsight_probe, nnsight_stats):
         if fn.__name__ not in worker_cls.__dict__:
             setattr(worker_cls, fn.__name__, fn)

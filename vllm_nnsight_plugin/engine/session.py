@@ -130,6 +130,8 @@ class RequestSession:
     _saved: dict[int, Any] = field(default_factory=dict)
     _shipped: dict[str, int] = field(default_factory=dict)
     _dirty: bool = False
+    _fresh: set[int] = field(default_factory=set)  # ids saved since the last snapshot
+    changed: list[str] = field(default_factory=list)  # names the last snapshot brought new values for
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _glet: greenlet.greenlet | None = None
 
@@ -254,6 +256,7 @@ class RequestSession:
     def save(self, value: Any) -> Any:
         copy = copy_value(value)
         self._saved[id(copy)] = copy
+        self._fresh.add(id(copy))
         self._dirty = True
         return copy
 
@@ -265,9 +268,11 @@ class RequestSession:
             self.wait = None
             self.resume(END)
 
-    def touch(self) -> None:
+    def touch(self, container: Any = None) -> None:
         """A saved container changed in place: ship it again at the end of the step."""
         self._dirty = True
+        if container is not None:
+            self._fresh.add(id(container))
 
     # ------------------------------------------------------------ results
     def snapshot(self) -> dict[str, Any] | None:
@@ -287,8 +292,11 @@ class RequestSession:
         containers = finished and any(isinstance(v, (list, dict)) for v in current.values())
         if ids == self._shipped and not self._dirty and not containers:
             return None
+        self.changed = [n for n, i in ids.items() if i in self._fresh or self._shipped.get(n) != i
+                        or (finished and isinstance(current[n], (list, dict)))]
         self._shipped = ids
         self._dirty = False
+        self._fresh = set()
         return self._to_cpu(current)
 
     def _to_cpu(self, value: Any) -> Any:

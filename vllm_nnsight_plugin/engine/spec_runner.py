@@ -124,4 +124,4 @@ def run_spec(model: Any, tracer: Any, *, ops: list[dict[str, Any]], session: Req
                 ns[name] = session.save(out["value"])
             else:
                 ns[name].append(out["value"])
-                session.touch()
+                session.touch(ns[name])

@@ -49,7 +49,11 @@ async def _capture(results: dict[int, Any], gen: AsyncIterator, indexed: bool) -
         yield item
 
 
-async def _inject(chunks: AsyncIterator[str], results: dict[int, Any], prompt_of: Callable) -> AsyncIterator[str]:
+async def _inject(chunks: AsyncIterator[str], results: dict[int, Any], prompt_of: Callable,
+                  every_step: bool) -> AsyncIterator[str]:
+    """Put results into SSE chunks: the finish_reason chunk, or (``nnsight_stream``)
+    every chunk that follows a step whose output carried results."""
+    sent: set[int] = set()
     async for chunk in chunks:
         if results and chunk.startswith("data: ") and not chunk.startswith("data: [DONE]"):
             try:
@@ -57,16 +61,26 @@ async def _inject(chunks: AsyncIterator[str], results: dict[int, Any], prompt_of
             except ValueError:
                 yield chunk
                 continue
-            finished = [c for c in obj.get("choices") or [] if c.get("finish_reason") is not None]
-            for choice in finished:
+            choices = obj.get("choices") or []
+            targets = choices if every_step else [c for c in choices if c.get("finish_reason") is not None]
+            touched = False
+            for choice in targets:
                 res = results.get(prompt_of(choice.get("index", 0)))
-                if res is not None:
-                    params = dict(obj.get("kv_transfer_params") or {})
-                    params[codec.PAYLOAD_KEY] = res
-                    obj["kv_transfer_params"] = params
-            if finished:
+                if res is None or (every_step and id(res) in sent and choice.get("finish_reason") is None):
+                    continue
+                sent.add(id(res))
+                params = dict(obj.get("kv_transfer_params") or {})
+                params[codec.PAYLOAD_KEY] = res
+                obj["kv_transfer_params"] = params
+                touched = True
+            if touched:
                 chunk = f"data: {json.dumps(obj)}\n\n"
         yield chunk
+
+
+def _every_step(request: Any) -> bool:
+    xargs = getattr(request, "vllm_xargs", None) or {}
+    return bool(xargs.get(compat.STREAM_KEY))
 
 
 def _create(original: Callable) -> Callable:
@@ -88,7 +102,7 @@ def _completion_stream(original: Callable) -> Callable:
         results: dict[int, Any] = {}
         n = request.n or 1
         chunks = original(self, request, engine_inputs, _capture(results, result_generator, True), *args, **kwargs)
-        return _inject(chunks, results, lambda index: index // n)
+        return _inject(chunks, results, lambda index: index // n, _every_step(request))
 
     return stream
 
@@ -99,7 +113,7 @@ def _chat_stream(original: Callable) -> Callable:
             return original(self, request, result_generator, *args, **kwargs)
         results: dict[int, Any] = {}
         chunks = original(self, request, _capture(results, result_generator, False), *args, **kwargs)
-        return _inject(chunks, results, lambda index: 0)
+        return _inject(chunks, results, lambda index: 0, _every_step(request))
 
     return stream
 
