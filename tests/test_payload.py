@@ -87,11 +87,11 @@ def test_body_on_the_with_line_is_refused():
         with model.trace("Hello"): model.logits.save()  # noqa: E701
 
 
-def test_scan_and_unimplemented_modes_explain_themselves():
+def test_scan_and_unknown_modes_explain_themselves():
     with pytest.raises(NotImplementedError, match="scan"):
         VLLM("/nonexistent").scan("x")
-    with pytest.raises(NotImplementedError, match="async"):
-        VLLM("/nonexistent", mode="async")
+    with pytest.raises(ValueError, match="async"):
+        VLLM("/nonexistent", mode="threads")
 
 
 def test_oversized_payload_is_refused(monkeypatch):

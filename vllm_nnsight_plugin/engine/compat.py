@@ -33,29 +33,24 @@ _MARK = "__nnsight_wrapped__"
 # ----------------------------------------------------------------- patching
 
 
-def patch_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
-    """Wrap ``cls.name`` once (re-entrant: a second call is a no-op)."""
-    current = cls.__dict__.get(name)
-    if current is None:
-        current = getattr(cls, name)
+def _wrap(owner: Any, name: str, current: Callable, make: Callable[[Callable], Callable]) -> None:
     if getattr(current, _MARK, False):
         return
     wrapper = make(current)
     functools.update_wrapper(wrapper, current)
     setattr(wrapper, _MARK, True)
     wrapper.__nnsight_original__ = current
-    setattr(cls, name, wrapper)
+    setattr(owner, name, wrapper)
+
+
+def patch_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Wrap ``cls.name`` once (re-entrant: a second call is a no-op)."""
+    _wrap(cls, name, cls.__dict__.get(name) or getattr(cls, name), make)
 
 
 def wrap_module_function(module: Any, name: str, make: Callable[[Callable], Callable]) -> None:
     """Wrap a module-level function looked up at call time by its own module."""
-    current = getattr(module, name)
-    if getattr(current, _MARK, False):
-        return
-    wrapper = make(current)
-    functools.update_wrapper(wrapper, current)
-    setattr(wrapper, _MARK, True)
-    setattr(module, name, wrapper)
+    _wrap(module, name, getattr(module, name), make)
 
 
 def is_patched(cls: type, name: str) -> bool:
