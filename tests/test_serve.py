@@ -443,3 +443,41 @@ def test_sse_chunks_carry_each_steps_saves(spec_server, llama_path, hf_llama):
         assert len(top) == k + 1
         ref = HFRun(hf_llama, ids + tokens[:k]).logits()[-1]
         assert_close(top[k]["values"], ref.topk(2).values)
+
+
+def test_spec_input_read_zero_and_set_at_positions(spec_server, hf_llama):
+    w = torch.linspace(1, -1, 128)
+    spec = _spec([
+        {"op": "read", "name": "mlp_in", "module": "model.layers.1.mlp", "io": "input"},
+        {"op": "zero", "module": "model.layers.2.mlp", "positions": [0]},
+        {"op": "set", "module": "model.layers.3.mlp", "positions": [-1], "value": w.tolist()},
+        {"op": "logits_topk", "name": "top", "k": 4},
+    ])
+    status, body = spec_server.post("/v1/completions", {
+        "model": "tiny", "prompt": "The quick brown fox", "max_tokens": 1, "return_token_ids": True,
+        "vllm_xargs": {"nnsight": spec}})
+    assert status == 200, body
+    saves = {k: tagged.decode(v) for k, v in body["kv_transfer_params"]["nnsight"]["saves"].items()}
+    ids = body["choices"][0]["prompt_token_ids"]
+
+    def zero_first(x):
+        x = x.clone()
+        x[:, 0] = 0
+        return x
+
+    def set_last(x):
+        x = x.clone()
+        x[:, -1] = w
+        return x
+
+    seen = {}
+    hook = hf_llama.model.layers[1].mlp.register_forward_pre_hook(
+        lambda mod, args: seen.setdefault("mlp_in", args[0][0].detach().clone()))
+    try:
+        ref = (HFRun(hf_llama, ids).edit(hf_llama.model.layers[2].mlp, zero_first)
+               .edit(hf_llama.model.layers[3].mlp, set_last).logits()[-1])
+    finally:
+        hook.remove()
+    assert_close(saves["mlp_in"], seen["mlp_in"])
+    assert_close(saves["top"]["values"], ref.topk(4).values)
+    assert saves["top"]["ids"].tolist() == ref.topk(4).indices.tolist()
