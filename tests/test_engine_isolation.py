@@ -245,3 +245,15 @@ def test_bounded_loop_cut_short_warns(llama):
                 last = llama.logits.save()
             result = tracer.result.save()
     assert last.shape[0] == 1 and len(result.outputs[0].token_ids) == 2
+
+
+def test_inputs_gives_only_this_requests_rows_in_args_and_kwargs(llama):
+    with llama.trace(temperature=0.0) as tracer:
+        with tracer.invoke("Hello world"):
+            args, kwargs = llama.model.layers[1].self_attn.inputs
+            shapes = [tuple(v.shape) for v in list(args) + list(kwargs.values()) if hasattr(v, "shape")]
+            n = shapes.save()
+        with tracer.invoke("The quick brown fox jumps over the lazy dog"):
+            llama.logits.save()
+    rows = len(tracer.outputs[0].prompt_token_ids)
+    assert n and all(shape[0] == rows for shape in n)

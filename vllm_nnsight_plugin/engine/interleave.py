@@ -46,7 +46,19 @@ def narrow(value: Any, start: int, end: int, num_tokens: int) -> Any:
         return tuple(narrow(v, start, end, num_tokens) for v in value)
     if isinstance(value, list):
         return [narrow(v, start, end, num_tokens) for v in value]
+    if isinstance(value, dict):  # .inputs -> (args, kwargs): keyword tensors too
+        return {k: narrow(v, start, end, num_tokens) for k, v in value.items()}
     return value
+
+
+def _per_token(value: Any, num_tokens: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0 and value.shape[0] == num_tokens
+    if isinstance(value, (tuple, list)):
+        return any(_per_token(v, num_tokens) for v in value)
+    if isinstance(value, dict):
+        return any(_per_token(v, num_tokens) for v in value.values())
+    return False
 
 
 def assign_into(target: Any, value: Any, where: str) -> None:
@@ -405,8 +417,12 @@ class Interleaver:
                 start, end = layout.spans[session.req_id]
                 view = narrow(value, start, end, layout.num_tokens)
             where = wait.describe()
+            shared = not row_based and len(layout.spans) > 1 and not _per_token(value, layout.num_tokens)
 
-            def assign(new: Any, view: Any = view, where: str = where) -> None:
+            def assign(new: Any, view: Any = view, where: str = where, shared: bool = shared) -> None:
+                if shared:
+                    raise ValueError(f"{where} is not per-token (no row per token of the batch): it is "
+                                     "shared by every request in the step and cannot be assigned per request")
                 assign_into(view, new, where)
 
             if wait.value is not _NOTHING:
