@@ -93,6 +93,8 @@ def find_block(frame: FrameType) -> BlockSource:
     end = best.body[-1].end_lineno or start
     source = textwrap.dedent("".join(lines[start - 1 : end]))
     target = best.items[0].optional_vars
+    if isinstance(target, ast.Tuple) and target.elts:  # ``as (tracer, edit)``
+        target = target.elts[0]
     as_name = target.id if isinstance(target, ast.Name) else None
     block = BlockSource(source, filename, start, _names_read(best.body), tuple(best.body), as_name)
     _CACHE[key] = block

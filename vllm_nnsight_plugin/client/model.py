@@ -54,13 +54,20 @@ def to_prompt(prompt: Any) -> Any:
 
 
 def sampling_kwargs(trace_kw: dict[str, Any], invoke_kw: dict[str, Any], default_max: int | None) -> dict:
-    """Invoke keywords win for the fields they name; ``max_new_tokens`` is ``max_tokens``."""
+    """Invoke keywords win for the fields they name; ``max_new_tokens`` is ``max_tokens``;
+    ``edits=[names]`` selects installed edits."""
     merged: dict[str, Any] = {}
     for source in (trace_kw, invoke_kw):
         for key, value in source.items():
             merged["max_tokens" if key == "max_new_tokens" else key] = value
     if default_max is not None:
         merged.setdefault("max_tokens", default_max)
+    if "edits" in merged:
+        from ..engine.compat import EDITS_KEY
+
+        extra = dict(merged.get("extra_args") or {})
+        extra[EDITS_KEY] = list(merged.pop("edits"))
+        merged["extra_args"] = extra
     return merged
 
 
@@ -214,6 +221,25 @@ class VLLM(Envoy):
         for output in outputs:
             _attach(output)
         return outputs
+
+    def edit(self, name: str | None = None, inplace: bool = True) -> Any:
+        """``with model.edit(name=...) as (tracer, edit):`` -- a block installed on the
+        engine that runs for every request admitted afterwards (see :mod:`.edits`)."""
+        if not inplace:
+            raise ValueError(
+                "edit(inplace=False) is not supported: the edit is installed on the shared engine, "
+                "which cannot be copied privately; use a trace for a one-off intervention"
+            )
+        from .edits import EditContext
+
+        return EditContext(self, name)
+
+    def clear_edits(self) -> None:
+        """Remove every edit installed through this object (from the next request on)."""
+        if self.mode == "async":
+            raise RuntimeError("on an async engine use: await model.aclear_edits()")
+        for handle in list(self.__dict__.get("_edits", ())):
+            handle.clear()
 
     def scan(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(

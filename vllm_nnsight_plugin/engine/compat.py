@@ -226,6 +226,7 @@ def stop_request(request: Any, reason: str) -> None:
 
 
 STREAM_KEY = "nnsight_stream"  # extra_args flag: deliver saves with every step's output
+EDITS_KEY = "nnsight_edits"  # extra_args: names of the installed edits a request selects
 
 
 def streams_saves(request: Any) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..payload import codec
-from . import compat
+from . import compat, edits
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -62,8 +62,10 @@ def _process_inputs(original: Callable) -> Callable:
         raw = extra.get(codec.PAYLOAD_KEY) if extra else None
         if raw is not None:
             check_payload(raw, params, getattr(self, "vllm_config", None))
+        if edits.INSTALLED:
+            edits.check_selection((extra or {}).get(compat.EDITS_KEY))
         request = original(self, request_id, prompt, params, *args, **kwargs)
-        if raw is not None:
+        if raw is not None or edits.INSTALLED:
             compat.salt_request(request, f"nnsight-{uuid.uuid4().hex}")
         return request
 

@@ -18,6 +18,7 @@ import torch
 
 from ..payload import codec
 from . import compat
+from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait
 
@@ -127,7 +128,8 @@ class Interleaver:
         self.root = WorkerEnvoy(model, "", self)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
-        self.sessions: dict[str, RequestSession] = {}
+        self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
+        self.edits: dict[str, tuple[str | None, dict[str, Any]]] = {}  # engine-wide: id -> (name, payload)
         self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
         self.hooks: dict[tuple, Any] = {}
         self.layout: StepLayout | None = None
@@ -138,22 +140,50 @@ class Interleaver:
 
     # ------------------------------------------------------------ admission
     def admit(self, req_id: str, extra_args: dict[str, Any] | None) -> None:
-        raw = (extra_args or {}).get(codec.PAYLOAD_KEY)
-        if raw is None or req_id in self.sessions:
+        """Blocks for a new request: the installed edits it selects, then its own."""
+        if req_id in self.sessions:
             return
+        extra = extra_args or {}
+        blocks = [self._session(req_id, env, label=f"edit {name or eid}")
+                  for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY))]
+        raw = extra.get(codec.PAYLOAD_KEY)
+        if raw is not None:
+            blocks.append(self._session(req_id, raw))
+        if blocks:
+            self.sessions[req_id] = blocks
+            if any(b.error for b in blocks):
+                self._record(req_id)
+
+    def _selected_edits(self, names: Any) -> list[tuple[str, tuple[str | None, dict[str, Any]]]]:
+        """A request naming edits runs those plus every unnamed one; naming none runs all."""
+        if names is None:
+            return list(self.edits.items())
+        wanted = {names} if isinstance(names, str) else set(names)
+        return [(eid, e) for eid, e in self.edits.items() if e[0] is None or e[0] in wanted]
+
+    def _session(self, req_id: str, raw: Any, label: str = "") -> RequestSession:
         session = RequestSession(req_id, self)
-        self.sessions[req_id] = session
         try:
-            env = codec.parse_envelope(raw)
+            env = raw if isinstance(raw, dict) else codec.parse_envelope(raw)
             if env["kind"] == "spec":
                 self._admit_spec(session, env)
-                return
+                return session
             session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
             payload = codec.load_code(env, self._resolver())
             session.namespace.update({k: self._to_device(v) for k, v in payload.values.items()})
         except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
-            session.fail(f"bad payload: {exc}")
-            self._record(session)
+            session.fail(f"bad payload{' (' + label + ')' if label else ''}: {exc}")
+        return session
+
+    def install_edit(self, edit_id: str, name: str | None, raw: str) -> None:
+        """An engine-wide edit: from the next admitted request on, every request runs it."""
+        env = codec.parse_envelope(raw)
+        self.edits[edit_id] = (name, env)
+
+    def clear_edits(self, edit_ids: list[str] | None = None) -> int:
+        for edit_id in list(self.edits) if edit_ids is None else edit_ids:
+            self.edits.pop(edit_id, None)
+        return len(self.edits)
 
     def _to_device(self, value: Any) -> Any:
         """Tensors the block brought along (a steering vector built on a laptop) go to
@@ -210,32 +240,35 @@ class Interleaver:
 
     def finish(self, req_ids: set[str] | list[str]) -> None:
         for req_id in req_ids:
-            session = self.sessions.pop(req_id, None)
-            if session is not None:
+            for session in self.sessions.pop(req_id, ()):
                 self._unwait(session)
                 session.close()
             self.results.pop(req_id, None)
 
     def fail_request(self, req_id: str, message: str) -> None:
-        session = self.sessions.get(req_id)
-        if session is not None and session.active:
+        blocks = [s for s in self.sessions.get(req_id, ()) if s.active]
+        for session in blocks:
             self._unwait(session)
             session.fail(message)
-            self._record(session)
+        if blocks:
+            self._record(req_id)
+
+    def active(self, req_id: str) -> bool:
+        return any(s.active for s in self.sessions.get(req_id, ()))
 
     # ------------------------------------------------------------ steps
     def begin_step(self, layout: StepLayout) -> None:
         """Start new blocks and wake blocks waiting for this step."""
         self.layout = layout
         for req_id in layout.spans:
-            session = self.sessions.get(req_id)
-            if session is None or not session.active:
-                continue
-            if session._glet is None:
-                self._run(session, session.start)
-            elif session.wait is not None and session.wait.kind == "step" and session.wait.step <= session.step:
-                self._unwait(session)
-                self._run(session, lambda s=session: s.resume(None))
+            for session in self.sessions.get(req_id, ()):
+                if not session.active:
+                    continue
+                if session._glet is None:
+                    self._run(session, session.start)
+                elif session.wait is not None and session.wait.kind == "step" and session.wait.step <= session.step:
+                    self._unwait(session)
+                    self._run(session, lambda s=session: s.resume(None))
 
     def end_step(self, finishing: set[str] | frozenset = frozenset()) -> dict[str, dict[str, Any]]:
         """Close the step: unreached accesses fail, steps advance, blocks of requests
@@ -244,24 +277,28 @@ class Interleaver:
         if layout is None:
             return {}
         for req_id in layout.spans:
-            session = self.sessions.get(req_id)
-            if session is None:
+            blocks = self.sessions.get(req_id)
+            if not blocks:
                 continue
-            wait = session.wait
-            if session.active and wait is not None and wait.kind != "step" and wait.step <= session.step:
-                self._unwait(session)
-                session.fail(
-                    f"{wait.describe()} was not reached: the forward had already passed it "
-                    "(accesses must follow execution order) or vLLM never called that module "
-                    "(e.g. lm_head is applied inside compute_logits: use model.logits)"
-                )
-            session.step += 1
-            if req_id in finishing:
-                self._run(session, session.end)
-            self._record(session)
-            if not session.active:  # results shipped: no more per-step work for this request
-                self._unwait(session)
-                session.close()
+            for session in blocks:
+                if not session.active:
+                    continue
+                wait = session.wait
+                if wait is not None and wait.kind != "step" and wait.step <= session.step:
+                    self._unwait(session)
+                    session.fail(
+                        f"{wait.describe()} was not reached: the forward had already passed it "
+                        "(accesses must follow execution order) or vLLM never called that module "
+                        "(e.g. lm_head is applied inside compute_logits: use model.logits)"
+                    )
+                session.step += 1
+                if req_id in finishing:
+                    self._run(session, session.end)
+            self._record(req_id)
+            if not any(s.active for s in blocks):  # results shipped: no more per-step work
+                for session in blocks:
+                    self._unwait(session)
+                    session.close()
                 del self.sessions[req_id]
         self.layout = None
         self._prune_hooks()
@@ -270,31 +307,46 @@ class Interleaver:
 
     def between_steps(self, req_id: str) -> bool:
         """A block parked until a later step (``tracer.iter``/``tracer.all()``)."""
-        session = self.sessions.get(req_id)
-        return session is not None and session.active and session.wait is not None and session.wait.kind == "step"
+        return any(s.active and s.wait is not None and s.wait.kind == "step" for s in self.sessions.get(req_id, ()))
 
-    def _record(self, session: RequestSession) -> None:
-        entry = self.results.setdefault(session.req_id, {})
-        snap = session.snapshot()
-        if snap is not None:
-            count, size = measure(snap)
-            if count > self.limits["max_saves"] or size > self.limits["max_saved_bytes"]:
-                self._unwait(session)
-                session.fail(
-                    f"the block saved {count} values / {size} bytes, over this server's limits "
-                    f"({self.limits['max_saves']} values, {self.limits['max_saved_bytes']} bytes): save less "
-                    "(fewer steps or positions)"
-                )
-                snap = {}
-            entry["saves"] = snap
-            entry["changed"] = list(session.changed)
-            entry["step"] = session.step - 1 if session.step else 0
-        entry["error"] = session.error
-        entry["done"] = session.done
-        entry["stop"] = session.stopped
-        entry["pending"] = session.pending()
-        if session.warnings:
-            entry["warnings"] = list(session.warnings)
+    def _record(self, req_id: str) -> None:
+        """Merge the request's blocks into its step results (its own block's names win)."""
+        blocks = self.sessions.get(req_id, ())
+        entry = self.results.setdefault(req_id, {})
+        fresh = False
+        changed: list[str] = []
+        for session in blocks:
+            if session.final:
+                continue
+            snap = session.snapshot()
+            if snap is not None:
+                count, size = measure(snap)
+                if count > self.limits["max_saves"] or size > self.limits["max_saved_bytes"]:
+                    self._unwait(session)
+                    session.fail(
+                        f"the block saved {count} values / {size} bytes, over this server's limits "
+                        f"({self.limits['max_saves']} values, {self.limits['max_saved_bytes']} bytes): "
+                        "save less (fewer steps or positions)"
+                    )
+                    snap = {}
+                session.last = snap
+                changed += session.changed
+                fresh = True
+            session.final = not session.active
+        if fresh:
+            merged: dict[str, Any] = {}
+            for session in blocks:
+                merged.update(session.last)
+            entry["saves"] = merged
+            entry["changed"] = changed
+            entry["step"] = max((s.step for s in blocks), default=1) - 1
+        entry["error"] = next((s.error for s in blocks if s.error is not None), None)
+        entry["done"] = all(s.done for s in blocks)
+        entry["stop"] = any(s.stopped for s in blocks)
+        entry["pending"] = next((p for p in (s.pending() for s in blocks) if p), None)
+        warnings = [w for s in blocks for w in s.warnings]
+        if warnings:
+            entry["warnings"] = warnings
 
     def _run(self, session: RequestSession, fn: Callable[[], None]) -> None:
         try:
@@ -380,8 +432,7 @@ class Interleaver:
         a block may read ``model.logits`` after touching ``model.samples``."""
         layout = self.layout
         for req_id, row in layout.rows.items():
-            session = self.sessions.get(req_id)
-            if session is not None and session.active:
+            if self.active(req_id):
                 layout.logits[req_id] = logits[row : row + 1].clone()
 
     def late_value(self, session: RequestSession, wait: Wait) -> Any:

@@ -47,6 +47,22 @@ def nnsight_stats(self: Any) -> dict[str, int]:
     }
 
 
+def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str) -> bool:
+    """Install an engine-wide edit (between steps: RPCs never run during a forward)."""
+    from .runner_v1 import interleaver_of
+
+    interleaver_of(self.model_runner, create=True).install_edit(edit_id, name, payload)
+    return True
+
+
+def nnsight_clear_edits(self: Any, edit_ids: list[str] | None = None) -> int:
+    """Remove edits (all when ``edit_ids`` is None); returns how many remain."""
+    from .runner_v1 import interleaver_of
+
+    inter = interleaver_of(self.model_runner)
+    return inter.clear_edits(edit_ids) if inter is not None else 0
+
+
 def engine_nnsight_stats(self: Any) -> dict[str, Any]:
     """EngineCore utility: the scheduler's pending results plus every worker's stats."""
     store = getattr(self.scheduler, "__dict__", {}).get("_nnsight_results") or {}
@@ -59,6 +75,6 @@ def install_engine_core(engine_core_cls: type) -> None:
 
 
 def install(worker_cls: type) -> None:
-    for fn in (nnsight_module_tree, nnsight_probe, nnsight_stats):
+    for fn in (nnsight_module_tree, nnsight_probe, nnsight_stats, nnsight_install_edit, nnsight_clear_edits):
         if fn.__name__ not in worker_cls.__dict__:
             setattr(worker_cls, fn.__name__, fn)

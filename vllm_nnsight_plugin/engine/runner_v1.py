@@ -58,7 +58,7 @@ def _execute_model(original: Callable) -> Callable:
         if inter is None:
             return original(self, scheduler_output, *args, **kwargs)
         inter.finish(compat.finished_ids(scheduler_output))
-        for req_id, extra_args in traced:
+        for req_id, extra_args in new if inter.edits else traced:  # edits reach every request
             inter.admit(req_id, extra_args)
         for req_id in compat.resumed_ids(scheduler_output):
             inter.fail_request(

@@ -132,6 +132,8 @@ class RequestSession:
     _dirty: bool = False
     _fresh: set[int] = field(default_factory=set)  # ids saved since the last snapshot
     changed: list[str] = field(default_factory=list)  # names the last snapshot brought new values for
+    last: dict[str, Any] = field(default_factory=dict)  # the last shipped saves (CPU)
+    final: bool = False  # its last state has been recorded
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _glet: greenlet.greenlet | None = None
 
