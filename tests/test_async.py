@@ -161,3 +161,30 @@ def test_stream_saves_arrive_step_by_step(amodel, hf_llama, loop):
         ref = HFRun(hf_llama, ids + generated[:k]).logits()[-1]
         assert_close(out.saves["top"][0], ref)
     assert outputs[-1].kv_transfer_params["nnsight"]["final"] is True
+
+
+def test_async_edits_install_apply_and_clear(amodel, hf_llama, loop):
+    v = torch.linspace(0.5, -0.5, 128)
+
+    async def go():
+        async with amodel.edit(name="steer") as (tracer, steer):
+            for _ in tracer.all():
+                amodel.model.layers[0].output[0][:] += v
+        with pytest.raises(RuntimeError, match="aclear"):
+            steer.clear()  # the sync form refuses instead of half-clearing
+        with amodel.trace("Hello world", temperature=0.0) as tracer:
+            steered = amodel.logits.save()  # noqa: F841
+        a = await tracer.backend
+        await amodel.aclear_edits()
+        with amodel.trace("Hello world", temperature=0.0) as tracer:
+            clean = amodel.logits.save()  # noqa: F841
+        b = await tracer.backend
+        return a, b
+
+    a, b = run(loop, go())
+    ids = list(a.prompt_token_ids)
+    steered_ref = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0], lambda h: h + v).logits()[-1]
+    assert_close(a.saves["steered"][0], steered_ref)
+    assert_close(b.saves["clean"][0], HFRun(hf_llama, ids).logits()[-1])
+    with pytest.raises(RuntimeError, match="aclear_edits"):
+        amodel.clear_edits()

@@ -481,3 +481,59 @@ def test_spec_input_read_zero_and_set_at_positions(spec_server, hf_llama):
     assert_close(saves["mlp_in"], seen["mlp_in"])
     assert_close(saves["top"]["values"], ref.topk(4).values)
     assert saves["top"]["ids"].tolist() == ref.topk(4).indices.tolist()
+
+
+def _get(server: Server, path: str) -> dict:
+    req = urllib.request.Request(server.url + path)
+    req.add_header("Authorization", f"Bearer {KEY}")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_served_edit_reaches_plain_openai_requests(code_server, llama_path, hf_llama):
+    import openai
+
+    model = VLLM(llama_path)
+    v = torch.linspace(-0.3, 0.3, 128)
+    with model.edit(name="steer", serve=code_server.url, api_key=KEY) as (tracer, steer):
+        for _ in tracer.all():
+            model.model.layers[0].output[0][:] += v
+    ids = _ids(llama_path, "Hello world")
+    client = openai.OpenAI(base_url=code_server.url + "/v1", api_key=KEY)
+    try:
+        assert [e["name"] for e in _get(code_server, "/v1/nnsight/edits")["edits"]] == ["steer"]
+        resp = client.completions.create(model="tiny", prompt="Hello world", max_tokens=1, temperature=0.0,
+                                          logprobs=1)  # a client that never heard of nnsight
+        steered = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0], lambda h: h + v).logits()[-1]
+        top = max(resp.choices[0].logprobs.top_logprobs[0].values())
+        assert abs(top - float(torch.log_softmax(steered, -1).max())) < 1e-4
+    finally:
+        steer.clear()
+    assert _get(code_server, "/v1/nnsight/edits")["edits"] == []
+    resp = client.completions.create(model="tiny", prompt="Hello world", max_tokens=1, temperature=0.0, logprobs=1)
+    clean = HFRun(hf_llama, ids).logits()[-1]
+    assert abs(max(resp.choices[0].logprobs.top_logprobs[0].values())
+               - float(torch.log_softmax(clean, -1).max())) < 1e-4
+
+
+def test_spec_edit_without_code_opt_in_and_its_saves_in_plain_responses(spec_server, hf_llama):
+    probe = _spec([{"op": "read", "name": "h", "module": "model.layers.1", "index": 0, "positions": [-1]}])
+    status, body = spec_server.post("/v1/nnsight/edits", {"payload": probe, "name": "probe"})
+    assert status == 200, body
+    try:
+        status, refused = spec_server.post("/v1/nnsight/edits", {"payload": make_payload(_block)})
+        assert status == 400 and "VLLM_NNSIGHT_ALLOW_CODE" in json.dumps(refused)
+        status, out = spec_server.post("/v1/completions", {"model": "tiny", "prompt": "Hello world",
+                                                           "max_tokens": 1, "return_token_ids": True})
+        assert status == 200
+        h = tagged.decode(out["kv_transfer_params"]["nnsight"]["saves"]["h"])
+        assert h.shape == (1, 128)
+        status, err = spec_server.post("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1,
+                                                           "vllm_xargs": {"nnsight_edits": "nope"}})
+        assert status == 400 and "unknown edit" in json.dumps(err)
+    finally:
+        req = urllib.request.Request(spec_server.url + "/v1/nnsight/edits", method="DELETE")
+        req.add_header("Authorization", f"Bearer {KEY}")
+        urllib.request.urlopen(req, timeout=60)
+    status, out = spec_server.post("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 1})
+    assert out.get("kv_transfer_params") is None

@@ -29,21 +29,37 @@ if TYPE_CHECKING:
 class Edit:
     """The handle of an installed edit."""
 
-    def __init__(self, model: VLLM, edit_id: str, name: str | None):
+    def __init__(self, model: VLLM, edit_id: str, name: str | None, conn: Any = None):
         self.model, self.id, self.name = model, edit_id, name
+        self.conn = conn  # a served engine (client.served.Connection), or None for a local one
         self.installed = False
 
     def clear(self) -> None:
         """Remove this edit from the engine (requests admitted from now on run without it)."""
-        from ..engine import edits as registry
-
+        if self.conn is not None:
+            if self.installed:
+                self.conn.request("DELETE", f"/v1/nnsight/edits/{self.id}")
+                self.installed = False
+            return
         if self.model.mode == "async":
-            raise RuntimeError("on an async engine use: await edit.aclear()")
+            raise RuntimeError("on an async engine use: await edit.aclear() (a blocking call "
+                               "here would stall the engine's event loop)")
         if self.installed:
             self.model.vllm_entrypoint.collective_rpc("nnsight_clear_edits", args=([self.id],))
-            registry.remove([self.id])
-            self.installed = False
-            self.model.__dict__.get("_edits", []).remove(self)
+            self._forget()
+
+    async def aclear(self) -> None:
+        """:meth:`clear` on an async engine."""
+        if self.installed:
+            await self.model.vllm_entrypoint.collective_rpc("nnsight_clear_edits", args=([self.id],))
+            self._forget()
+
+    def _forget(self) -> None:
+        from ..engine import edits as registry
+
+        registry.remove([self.id])
+        self.installed = False
+        self.model.__dict__.get("_edits", []).remove(self)
 
     def __repr__(self) -> str:
         return f"<Edit {self.name or self.id}{'' if self.installed else ' (cleared)'}>"
@@ -52,9 +68,12 @@ class Edit:
 class EditContext(_Capturing):
     """``with model.edit(...) as (tracer, edit):``"""
 
-    def __init__(self, model: VLLM, name: str | None):
+    def __init__(self, model: VLLM, name: str | None, serve: str | None = None, api_key: str | None = None):
+        from .served import Connection
+
         self.model = model
-        self.handle = Edit(model, f"edit-{uuid.uuid4().hex[:12]}", name)
+        conn = Connection(serve, api_key) if serve else None
+        self.handle = Edit(model, f"edit-{uuid.uuid4().hex[:12]}", name, conn)
         self._block: Any = None
 
     def __nnsight_ref__(self) -> tuple:
@@ -65,23 +84,57 @@ class EditContext(_Capturing):
         return self, self.handle
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        from ..engine import edits as registry
-
         self._release()
         if exc_type is not None and not issubclass(exc_type, SkipBlock):
             return False
+        if self.handle.conn is not None:
+            block, values = self._block
+            payload = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
+            body = {"payload": payload, "name": self.handle.name}
+            reply = self.handle.conn.request("POST", "/v1/nnsight/edits", body)
+            self.handle.id, self.handle.installed = reply["id"], True
+            return True
+        if self.model.mode == "async":
+            raise RuntimeError("on an async engine use: async with model.edit(...) as (tracer, edit)")
+        args = self._install_args()
+        try:
+            self.model.vllm_entrypoint.collective_rpc("nnsight_install_edit", args=args)
+        except Exception:
+            self._installed(False)
+            raise
+        self._installed(True)
+        return True
+
+    async def __aenter__(self) -> tuple[EditContext, Edit]:
+        self._block = self._capture(sys._getframe(1))
+        return self, self.handle
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self._release()
+        if exc_type is not None and not issubclass(exc_type, SkipBlock):
+            return False
+        args = self._install_args()
+        try:
+            await self.model.vllm_entrypoint.collective_rpc("nnsight_install_edit", args=args)
+        except Exception:
+            self._installed(False)
+            raise
+        self._installed(True)
+        return True
+
+    def _install_args(self) -> tuple:
+        from ..engine import edits as registry
+
         block, values = self._block
         payload = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
-        model, handle = self.model, self.handle
-        if model.mode == "async":
-            raise NotImplementedError("edits on an async engine are not available yet")
-        llm = model.vllm_entrypoint
-        registry.add(handle.id, handle.name)
-        try:
-            llm.collective_rpc("nnsight_install_edit", args=(handle.id, handle.name, payload))
-        except Exception:
-            registry.remove([handle.id])
-            raise
-        handle.installed = True
-        model.__dict__.setdefault("_edits", []).append(handle)
-        return True
+        registry.add(self.handle.id, self.handle.name)  # before the RPC: no request slips past
+        return (self.handle.id, self.handle.name, payload)
+
+    def _installed(self, ok: bool) -> None:
+        from ..engine import edits as registry
+
+        if not ok:
+            registry.remove([self.handle.id])
+            return
+        self.handle.installed = True
+        self.model.__dict__.setdefault("_edits", []).append(self.handle)

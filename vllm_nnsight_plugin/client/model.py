@@ -222,7 +222,8 @@ class VLLM(Envoy):
             _attach(output)
         return outputs
 
-    def edit(self, name: str | None = None, inplace: bool = True) -> Any:
+    def edit(self, name: str | None = None, inplace: bool = True, serve: str | None = None,
+             api_key: str | None = None) -> Any:
         """``with model.edit(name=...) as (tracer, edit):`` -- a block installed on the
         engine that runs for every request admitted afterwards (see :mod:`.edits`)."""
         if not inplace:
@@ -232,7 +233,7 @@ class VLLM(Envoy):
             )
         from .edits import EditContext
 
-        return EditContext(self, name)
+        return EditContext(self, name, serve, api_key)
 
     def clear_edits(self) -> None:
         """Remove every edit installed through this object (from the next request on)."""
@@ -240,6 +241,11 @@ class VLLM(Envoy):
             raise RuntimeError("on an async engine use: await model.aclear_edits()")
         for handle in list(self.__dict__.get("_edits", ())):
             handle.clear()
+
+    async def aclear_edits(self) -> None:
+        """:meth:`clear_edits` on an async engine."""
+        for handle in list(self.__dict__.get("_edits", ())):
+            await handle.aclear()
 
     def scan(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(

@@ -28,8 +28,15 @@ def _payload(request: Any) -> Any:
 
 
 def _reject(serving: Any, request: Any, raw: Any) -> Any:
-    """An ErrorResponse (HTTP 400) when the payload is refused, else None."""
+    """An ErrorResponse (HTTP 400) when the payload or edit selection is refused, else None."""
+    from ..engine import edits
+
     try:
+        names = (getattr(request, "vllm_xargs", None) or {}).get(compat.EDITS_KEY)
+        if names is not None:
+            edits.check_selection(names)
+        if raw is None:
+            return None
         prompt = getattr(request, "prompt", None)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) > 1:
@@ -86,7 +93,7 @@ def _every_step(request: Any) -> bool:
 def _create(original: Callable) -> Callable:
     async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         raw = _payload(request)
-        if raw is not None:
+        if raw is not None or compat.EDITS_KEY in (getattr(request, "vllm_xargs", None) or {}):
             error = _reject(self, request, raw)
             if error is not None:
                 return error

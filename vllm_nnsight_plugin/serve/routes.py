@@ -35,6 +35,64 @@ def add_routes(app: Any) -> None:
 
         return JSONResponse(schema())
 
+    @app.post("/v1/nnsight/edits")
+    async def nnsight_install_edit(raw_request: Request) -> JSONResponse:
+        """Install an engine-wide edit: ``{"payload": "<code or spec payload>", "name": null}``."""
+        import uuid
+
+        from ..engine import edits
+        from ..hooks import refusal
+        from ..payload import codec
+
+        try:
+            body = await raw_request.json()
+            payload, name = body.get("payload"), body.get("name")
+            if name is not None and not isinstance(name, str):
+                raise codec.PayloadError("'name' must be a string or null")
+            env = codec.parse_envelope(payload)
+            config = getattr(raw_request.app.state, "vllm_config", None)
+            reason = refusal(env["kind"], "http", compat.additional_config(config))
+            if reason:
+                raise codec.PayloadError(reason)
+        except (ValueError, AttributeError) as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}},
+                                status_code=400)
+        edit_id = f"edit-{uuid.uuid4().hex[:12]}"
+        edits.add(edit_id, name)  # before the RPC: no request slips past un-salted
+        try:
+            await raw_request.app.state.engine_client.collective_rpc(
+                "nnsight_install_edit", args=(edit_id, name, payload))
+        except Exception:
+            edits.remove([edit_id])
+            raise
+        return JSONResponse({"id": edit_id, "name": name})
+
+    @app.get("/v1/nnsight/edits")
+    async def nnsight_list_edits() -> JSONResponse:
+        from ..engine import edits
+
+        return JSONResponse({"edits": [{"id": i, "name": n} for i, n in edits.INSTALLED.items()]})
+
+    @app.delete("/v1/nnsight/edits")
+    async def nnsight_clear_all_edits(raw_request: Request) -> JSONResponse:
+        return await _clear(raw_request, None)
+
+    @app.delete("/v1/nnsight/edits/{edit_id}")
+    async def nnsight_clear_edit(edit_id: str, raw_request: Request) -> JSONResponse:
+        return await _clear(raw_request, [edit_id])
+
+
+async def _clear(raw_request: Any, ids: list[str] | None) -> Any:
+    from fastapi.responses import JSONResponse
+
+    from ..engine import edits
+
+    if ids is not None and ids[0] not in edits.INSTALLED:
+        return JSONResponse({"error": {"message": f"no edit {ids[0]!r}", "code": 404}}, status_code=404)
+    await raw_request.app.state.engine_client.collective_rpc("nnsight_clear_edits", args=(ids,))
+    edits.remove(ids)
+    return JSONResponse({"edits": [{"id": i, "name": n} for i, n in edits.INSTALLED.items()]})
+
 
 def _attach(original: Callable) -> Callable:
     def attach(app: Any, *args: Any, **kwargs: Any) -> Any:
