@@ -119,3 +119,23 @@ def test_many_requests_with_an_edit_keep_state_flat(clean):
     assert stats["scheduler_results"] == 0
     assert stats["workers"][0]["sessions"] == 0 and stats["workers"][0]["hooks"] == 0
     assert growth < 64 * 2**20, f"worker RSS grew {growth / 2**20:.1f} MiB over 900 requests"
+
+
+def test_prefix_cache_never_serves_kv_computed_under_an_edit(clean, hf_llama):
+    llama = clean
+    long = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 20)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
+    llm = llama.vllm_entrypoint
+    with llama.edit() as (tracer, steer):
+        llama.model.layers[1].mlp.output[:] *= 3.0
+    steered = llm.generate([long], params, use_tqdm=False)[0]  # its KV is computed under the edit
+    steer.clear()
+    first = llm.generate([long], params, use_tqdm=False)[0]
+    second = llm.generate([long], params, use_tqdm=False)[0]
+    ids = list(first.prompt_token_ids)
+    clean_lp = float(torch.log_softmax(HFRun(hf_llama, ids).logits()[-1], -1).max())
+    steered_lp = max(x.logprob for x in steered.outputs[0].logprobs[0].values())
+    for out in (first, second):
+        assert abs(max(x.logprob for x in out.outputs[0].logprobs[0].values()) - clean_lp) < 1e-4
+    assert abs(steered_lp - clean_lp) > 1e-3  # the edit did change that request
+    assert second.num_cached_tokens  # clean requests still share the cache among themselves
