@@ -20,8 +20,10 @@ case "$what" in
     # exact fp32 for the HF comparison: Triton kernels (vLLM's fp32 attention on Hopper)
     # use TF32 dots by default, ~2.5e-3 off a CPU fp32 reference
     export TRITON_F32_DEFAULT="${TRITON_F32_DEFAULT:-ieee}"
-    python3 -m pytest -q -p no:cacheprovider tests/test_parity_llama.py tests/test_parity_gpt2.py \
-      tests/test_engine_isolation.py tests/test_gpu_bf16.py "$@" 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -p no:cacheprovider ${NNSIGHT_GPU_TESTS:-tests/test_parity_llama.py \
+      tests/test_parity_gpt2.py tests/test_engine_isolation.py tests/test_gpu_bf16.py} "$@" 2>&1 \
+      | tee "$OUT/tests.log" | tail -40 ;;
   headline)
     python3 benchmarks/gpu/headline.py "$@" 2>&1 | tee "$OUT/headline.log" ;;
   profile)
