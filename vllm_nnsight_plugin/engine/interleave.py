@@ -21,6 +21,7 @@ from . import compat
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait
+from .tree import leaves, map_tensors
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -39,27 +40,11 @@ class StepLayout:
 
 def narrow(value: Any, start: int, end: int, num_tokens: int) -> Any:
     """The request's rows of a module value: views, so in-place edits land."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() > 0 and value.shape[0] == num_tokens:
-            return value[start:end]
-        return value
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(narrow(v, start, end, num_tokens) for v in value)
-    if isinstance(value, list):
-        return [narrow(v, start, end, num_tokens) for v in value]
-    if isinstance(value, dict):  # .inputs -> (args, kwargs): keyword tensors too
-        return {k: narrow(v, start, end, num_tokens) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t[start:end] if t.dim() > 0 and t.shape[0] == num_tokens else t)
 
 
 def _per_token(value: Any, num_tokens: int) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.dim() > 0 and value.shape[0] == num_tokens
-    if isinstance(value, (tuple, list)):
-        return any(_per_token(v, num_tokens) for v in value)
-    if isinstance(value, dict):
-        return any(_per_token(v, num_tokens) for v in value.values())
-    return False
+    return any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == num_tokens for t in leaves(value))
 
 
 def assign_into(target: Any, value: Any, where: str) -> None:
@@ -105,17 +90,8 @@ def limits(settings: dict[str, Any]) -> dict[str, int]:
 
 def measure(value: Any) -> tuple[int, int]:
     """(number of leaf values, tensor bytes) of a saved structure."""
-    if isinstance(value, torch.Tensor):
-        return 1, value.numel() * value.element_size()
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        count = size = 0
-        for item in value:
-            c, b = measure(item)
-            count, size = count + c, size + b
-        return count, size
-    return 1, 0
+    items = list(leaves(value))
+    return len(items), sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
 
 
 class Interleaver:
@@ -188,13 +164,7 @@ class Interleaver:
     def _to_device(self, value: Any) -> Any:
         """Tensors the block brought along (a steering vector built on a laptop) go to
         the engine's device, so ``output += v`` works wherever the client ran."""
-        if isinstance(value, torch.Tensor):
-            return value.to(self.device) if value.device != self.device else value
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self._to_device(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self._to_device(v) for k, v in value.items()}
-        return value
+        return map_tensors(value, lambda t: t.to(self.device) if t.device != self.device else t)
 
     def _admit_spec(self, session: RequestSession, env: dict[str, Any]) -> None:
         from functools import partial

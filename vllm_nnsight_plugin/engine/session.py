@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import greenlet
 import torch
 
+from .tree import leaves, map_tensors
+
 if TYPE_CHECKING:
     from .interleave import Interleaver
 
@@ -96,15 +98,7 @@ def compile_block(source: str, filename: str, lineno: int) -> Any:
 
 def copy_value(value: Any) -> Any:
     """A private copy of what is saved: vLLM's kernels overwrite buffers later."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(copy_value(v) for v in value)
-    if isinstance(value, list):
-        return [copy_value(v) for v in value]
-    if isinstance(value, dict):
-        return {k: copy_value(v) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.detach().clone())
 
 
 @dataclass
@@ -304,11 +298,9 @@ class RequestSession:
     def _to_cpu(self, value: Any) -> Any:
         """A CPU copy of a saved structure, with one device-to-host copy per dtype
         (a list of 128 per-step rows costs one synchronisation, not 128)."""
-        leaves: list[torch.Tensor] = []
-        _collect(value, leaves)
         moved: dict[int, torch.Tensor] = {}
         groups: dict[tuple, list[torch.Tensor]] = {}
-        for t in leaves:
+        for t in (x for x in leaves(value) if isinstance(x, torch.Tensor)):
             if t.device.type == "cpu":
                 moved[id(t)] = t
             else:
@@ -325,7 +317,7 @@ class RequestSession:
                 offset += t.numel()
                 self._cpu[id(t)] = (t, cpu)
                 moved[id(t)] = cpu
-        return _rebuild(value, moved)
+        return map_tensors(value, lambda t: moved[id(t)])
 
     def pending(self) -> dict[str, Any] | None:
         if self.wait is None or self.done or self.error is not None:
@@ -337,25 +329,3 @@ class RequestSession:
         }
 
 
-
-def _collect(value: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _collect(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect(v, out)
-
-
-def _rebuild(value: Any, moved: dict[int, torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return moved[id(value)]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_rebuild(v, moved) for v in value)
-    if isinstance(value, list):
-        return [_rebuild(v, moved) for v in value]
-    if isinstance(value, dict):
-        return {k: _rebuild(v, moved) for k, v in value.items()}
-    return value

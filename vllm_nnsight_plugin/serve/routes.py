@@ -41,7 +41,7 @@ def add_routes(app: Any) -> None:
         import uuid
 
         from ..engine import edits
-        from ..hooks import refusal
+        from ..engine.frontend import check_payload
         from ..payload import codec
 
         try:
@@ -49,11 +49,8 @@ def add_routes(app: Any) -> None:
             payload, name = body.get("payload"), body.get("name")
             if name is not None and not isinstance(name, str):
                 raise codec.PayloadError("'name' must be a string or null")
-            env = codec.parse_envelope(payload)
-            config = getattr(raw_request.app.state, "vllm_config", None)
-            reason = refusal(env["kind"], "http", compat.additional_config(config))
-            if reason:
-                raise codec.PayloadError(reason)
+            # the same checks as a traced request's payload (policy, runner, compiled engine)
+            check_payload(payload, None, getattr(raw_request.app.state, "vllm_config", None))
         except (ValueError, AttributeError) as exc:
             return JSONResponse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}},
                                 status_code=400)
