@@ -25,6 +25,9 @@ from vllm_nnsight_plugin import VLLM, InterventionError, make_payload, results
 from vllm_nnsight_plugin.payload import values as tagged
 
 KEY = "test-key"
+# extra server flags for other machines (the GPU run sets a memory share)
+SERVER_ARGS = json.loads(os.environ.get("NNSIGHT_TEST_SERVER_ARGS", "[]"))
+TAPS_COMPILATION = os.environ.get("NNSIGHT_TEST_TAPS_COMPILATION", '{"mode": 3, "backend": "eager"}')
 
 
 @dataclass
@@ -73,7 +76,7 @@ def _start(path: str, allow_code: bool, tmp_path_factory, extra: list[str] = (),
     env = dict(os.environ, VLLM_NNSIGHT_ALLOW_CODE="1" if allow_code else "0", VLLM_LOGGING_LEVEL="WARNING")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
            "--port", str(port), "--api-key", KEY, *(["--enforce-eager"] if eager else []), "--dtype", "float32",
-           "--max-model-len", "512", "--max-num-seqs", "32", "--served-model-name", "tiny", *extra]
+           "--max-model-len", "512", "--max-num-seqs", "32", "--served-model-name", "tiny", *extra, *SERVER_ARGS]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", proc, log)
@@ -395,7 +398,7 @@ def test_meta_tree_is_exactly_what_the_server_loaded(code_server, llama_path):
     model = VLLM(llama_path)  # GPU-less client: vLLM's model class on the meta device
     tree = model.meta_tree()
     assert not model.dispatched
-    assert tree == Connection(code_server.url, KEY).tree()
+    assert (tree, None) == Connection(code_server.url, KEY).tree()
     assert tree["model.layers.0.self_attn.qkv_proj"] == "QKVParallelLinear"  # vLLM's paths, not HF's
     with pytest.raises(AttributeError, match="submodules"):
         model.model.layers[0].q_proj  # noqa: B018
@@ -425,6 +428,45 @@ def test_compiled_engine_refuses_module_access_with_400_but_serves_logits(compil
     top = tagged.decode(body["kv_transfer_params"]["nnsight"]["saves"]["t"])
     ref = HFRun(hf_llama, body["choices"][0]["prompt_token_ids"]).logits()[-1]
     assert_close(top["values"], ref.topk(3).values)
+
+
+@pytest.fixture(scope="module")
+def tapped_server(llama_path, tmp_path_factory):
+    """A stock server compiled (CUDA graphs on a GPU) with taps declared by the operator."""
+    taps = json.dumps({"nnsight": {"taps": ["model.layers.*.output"]}})
+    extra = ["--additional-config", taps]
+    if TAPS_COMPILATION != "{}":
+        extra += ["--compilation-config", TAPS_COMPILATION]
+    server = _start(llama_path, True, tmp_path_factory, extra, eager=False)
+    yield server
+    _stop(server)
+
+
+def test_tapped_server_serves_its_taps_and_refuses_the_rest(tapped_server, llama_path, hf_llama):
+    from vllm_nnsight_plugin.client.served import Connection
+
+    assert Connection(tapped_server.url, KEY).tree()[1] == ["model.layers.*.output"]
+    model = VLLM(llama_path)
+    with model.trace("The Eiffel Tower is in", serve=tapped_server.url, api_key=KEY, temperature=0.0,
+                     max_tokens=1) as tracer:
+        model.model.layers[0].output[0][:] *= 0.5
+        out = model.model.layers[2].output
+        resid = (out[0] + out[1]).save()
+        logits = model.logits.save()
+    ids = tracer.outputs[0].prompt_token_ids
+    hf = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0].mlp, lambda h: h * 0.5)
+    hf.record("resid", hf_llama.model.layers[2])
+    ref = hf.logits()
+    assert_close(logits[0], ref[-1])
+    assert_close(resid, hf.records["resid"])
+    with pytest.raises(ValueError, match="not tapped"):  # refused by the client, from the server's taps
+        with model.trace("Hello", serve=tapped_server.url, api_key=KEY):
+            model.model.layers[1].mlp.output.save()
+    status, body = tapped_server.post("/v1/completions", {  # a spec at an untapped location: 400
+        "model": "tiny", "prompt": "Hello", "max_tokens": 1,
+        "vllm_xargs": {"nnsight": _spec([{"op": "read", "name": "h", "module": "model.layers.1.mlp"}])}})
+    assert status == 400 and "not tapped" in body["error"]["message"], body
+    assert "model.layers.*.output" in body["error"]["message"]
 
 
 def test_sse_chunks_carry_each_steps_saves(spec_server, llama_path, hf_llama):

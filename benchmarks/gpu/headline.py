@@ -48,13 +48,26 @@ def every_token_capture(model, tracer):
     stream = rows.save()  # noqa: F841
 
 
+STEER = None  # set in the child: a bf16 vector on the model's hidden size
+
+
+def steer(model, tracer):
+    for _ in tracer.all():
+        model.model.layers[8].output[0][:] += STEER
+
+
+TAPS = ["model.layers.8.output"]
+CAPTURES = ["plain", "prefill", "every_token"]
 VARIANTS = {
-    # name: (plugin on, V1 runner, enforce_eager, workloads)
-    "stock_graphs": (False, False, False, ["plain"]),
-    "stock_eager": (False, False, True, ["plain"]),
-    "idle_graphs": (True, False, False, ["plain"]),
-    "stock_v1_eager": (False, True, True, ["plain"]),
-    "v1_eager": (True, True, True, ["plain", "prefill", "every_token"]),
+    # name: (plugin on, V1 runner, enforce_eager, workloads, taps)
+    "stock_graphs": (False, False, False, ["plain"], False),
+    "stock_eager": (False, False, True, ["plain"], False),
+    "idle_graphs": (True, False, False, ["plain"], False),
+    "taps": (True, False, False, CAPTURES + ["steer"], True),  # compiled + CUDA graphs (V2)
+    "v2_eager": (True, False, True, CAPTURES, False),
+    "stock_v1_eager": (False, True, True, ["plain"], False),
+    "v1_eager": (True, True, True, CAPTURES, False),
+    "taps_v1": (True, True, False, CAPTURES + ["steer"], True),
 }
 
 
@@ -63,10 +76,15 @@ def child(variant: str, reps: int) -> None:
 
     from vllm_nnsight_plugin import make_payload, results
 
-    _, _, eager, workloads = VARIANTS[variant]
+    global STEER
+    import torch
+
+    _, _, eager, workloads, taps = VARIANTS[variant]
+    STEER = torch.full((2048,), 0.01, dtype=torch.bfloat16)
+    extra = {"additional_config": {"nnsight": {"taps": TAPS}}} if taps else {}
     t0 = time.time()
     llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=eager,
-              dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5, seed=0)
+              dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5, seed=0, **extra)
     init = time.time() - t0
     random.seed(0)
     prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(PLEN)]} for _ in range(N)]
@@ -76,7 +94,8 @@ def child(variant: str, reps: int) -> None:
         return SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
                               detokenize=False, extra_args=extra)
 
-    sps = {"plain": params(), "prefill": params(prefill_capture), "every_token": params(every_token_capture)}
+    sps = {"plain": params(), "prefill": params(prefill_capture), "every_token": params(every_token_capture),
+           "steer": params(steer)}
     for name in workloads:  # warm-up at full batch size (first full batch compiles kernels)
         llm.generate(prompts, sps[name], use_tqdm=False)
     times: dict[str, list[float]] = {w: [] for w in workloads}
@@ -85,7 +104,7 @@ def child(variant: str, reps: int) -> None:
             t = time.time()
             outs = llm.generate(prompts, sps[name], use_tqdm=False)
             times[name].append(time.time() - t)
-            if name != "plain":
+            if name in ("prefill", "every_token"):
                 stream = results(outs[0])["stream"]
                 assert (stream.shape[0] == PLEN) if name == "prefill" else (len(stream) == OLEN)
     ntok = N * OLEN
@@ -109,7 +128,7 @@ def main() -> None:
     out_dir = os.environ.get("OUT", ".")
     rows = []
     for variant in args.variants.split(","):
-        plugin, v1, _, _ = VARIANTS[variant]
+        plugin, v1, *_ = VARIANTS[variant]
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
         env["VLLM_NNSIGHT_DISABLE"] = "0" if plugin else "1"
         if v1:

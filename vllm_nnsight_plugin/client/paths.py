@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from ..payload.tapset import TapSet
+
 TERMINALS = ("output", "input", "inputs")
 
 
@@ -32,19 +34,29 @@ def _chain(node: ast.AST, roots: set[str]) -> list[str] | None:
             return None
 
 
-def module_paths(statements: tuple[ast.stmt, ...], roots: set[str]) -> Iterator[tuple[str, int]]:
-    """``(module path, line)`` for each checkable location access."""
+def module_paths(statements: tuple[ast.stmt, ...], roots: set[str]) -> Iterator[tuple[str, int, str]]:
+    """``(module path, line, "output"|"input"|"inputs")`` for each checkable location access."""
     for stmt in statements:
         for node in ast.walk(stmt):
             if isinstance(node, ast.Attribute) and node.attr in TERMINALS:
                 segments = _chain(node.value, roots)
                 if segments is not None:
-                    yield ".".join(segments), node.lineno
+                    yield ".".join(segments), node.lineno, node.attr
+
+
+def check_taps(statements: tuple[ast.stmt, ...], roots: set[str], taps: TapSet, filename: str) -> None:
+    """Raise ``ValueError`` at once for an access no tap serves (compiled engines)."""
+    for path, line, kind in module_paths(statements, roots):
+        if not taps.matches(path, kind):
+            raise ValueError(
+                f"{filename}, line {line}: {path}.{kind} is not tapped. This engine runs compiled "
+                f"with CUDA graphs and serves module values only at its taps: {taps.describe()}"
+            )
 
 
 def check_paths(statements: tuple[ast.stmt, ...], roots: set[str], tree: dict[str, str], filename: str) -> None:
     """Raise ``AttributeError`` naming the available submodules for a wrong path."""
-    for path, line in module_paths(statements, roots):
+    for path, line, _ in module_paths(statements, roots):
         if path in tree:
             continue
         parts = path.split(".")

@@ -91,8 +91,10 @@ class Connection:
     def model_name(self) -> str:
         return self.request("GET", "/v1/models")["data"][0]["id"]
 
-    def tree(self) -> dict[str, str]:
-        return {path: cls for path, cls in self.request("GET", "/v1/nnsight/tree")["tree"]}
+    def tree(self) -> tuple[dict[str, str], list[str] | None]:
+        """The server's module tree and its taps (None: an eager engine)."""
+        body = self.request("GET", "/v1/nnsight/tree")
+        return {path: cls for path, cls in body["tree"]}, body.get("taps")
 
 
 def completion_body(model_name: str, prompt: Any, sampling: dict[str, Any], payload: str) -> dict[str, Any]:

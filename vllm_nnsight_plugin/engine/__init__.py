@@ -5,10 +5,12 @@ from __future__ import annotations
 
 def install() -> None:
     """Arrange every patch; each applies when vLLM imports the patched module."""
-    from . import compat, frontend, results, rpc, runner_v1
+    from . import compat, frontend, results, rpc, runner_v1, runner_v2
     from .outputs import install_saves_property
 
     compat.when_class(compat.RUNNER_V1, runner_v1.install)
+    compat.when_class(compat.RUNNER_CPU, runner_v1.install_load_model)
+    compat.when_class(compat.RUNNER_V2, runner_v2.install)
     compat.when_class(compat.SCHEDULER, results.install)
     compat.when_class(compat.INPUT_PROCESSOR, frontend.install)
     compat.when_class(compat.WORKER_BASE, rpc.install)

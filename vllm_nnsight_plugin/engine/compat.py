@@ -17,6 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 RUNNER_V1 = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+RUNNER_CPU = ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")  # overrides load_model
+V1_GRAPH_DISPATCH = "_determine_batch_execution_and_padding"  # picks FULL/PIECEWISE/NONE per step
+RUNNER_V2 = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")  # Model Runner V2 (same class name)
+V2_GRAPH_DISPATCH = "dispatch_cg_and_sync_dp"  # module function of RUNNER_V2's module
 SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
 INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
@@ -126,15 +130,35 @@ def runs_eager(vllm_config: Any) -> bool:
     return mode_none and graphs_none
 
 
-def uses_v2_runner(vllm_config: Any) -> bool:
-    """Whether the engine runs Model Runner V2 (the CUDA default in vLLM >= 0.2x),
-    which this version of the plugin does not hook yet."""
-    value = getattr(vllm_config, "use_v2_model_runner", None)
-    if isinstance(value, bool):
-        return value
-    import os
+def compiles_piecewise(vllm_config: Any) -> bool:
+    """Whether vLLM compiles the model split at ``splitting_ops`` (VLLM_COMPILE)."""
+    comp = vllm_config.compilation_config
+    return getattr(comp, "mode", None) is not None and int(comp.mode) == 3
 
-    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+
+def add_splitting_op(vllm_config: Any, op_name: str) -> bool:
+    """Make vLLM split its compiled graph at ``op_name`` (the op then runs eagerly
+    between CUDA-graph pieces). Must run before the first compile (model load).
+    False when the graph is compiled whole (no split points to join)."""
+    comp = vllm_config.compilation_config
+    ops = comp.splitting_ops
+    if not compiles_piecewise(vllm_config) or not ops:
+        return False
+    if op_name not in ops:
+        ops.append(op_name)
+    return True
+
+
+def forbid_full_graph(original: Callable, runner: Any, args: tuple, kwargs: dict) -> Any:
+    """Call V1's ``_determine_batch_execution_and_padding`` so that the step cannot
+    replay a full CUDA graph (which would skip the tap op): piecewise if captured,
+    else eager. vLLM's own switch for this is the cascade-attention flag."""
+    kwargs = dict(kwargs)
+    if "use_cascade_attn" in kwargs or len(args) < 5:
+        kwargs["use_cascade_attn"] = True
+    else:
+        args = args[:4] + (True,) + args[5:]
+    return original(runner, *args, **kwargs)
 
 
 # ----------------------------------------------------------------- runner (V1)
@@ -146,6 +170,20 @@ def new_requests(scheduler_output: Any) -> list[tuple[str, dict | None]]:
         params = new.sampling_params
         out.append((new.req_id, getattr(params, "extra_args", None) if params is not None else None))
     return out
+
+
+def new_requests_with_params(scheduler_output: Any) -> list[tuple[str, dict | None, Any]]:
+    """``(req_id, extra_args, SamplingParams)`` of the step's new requests."""
+    out = []
+    for new in scheduler_output.scheduled_new_reqs:
+        params = new.sampling_params
+        out.append((new.req_id, getattr(params, "extra_args", None) if params is not None else None, params))
+    return out
+
+
+def preempted_ids(scheduler_output: Any) -> set[str]:
+    """Requests preempted this step (V2 drops their state and re-sends them as new)."""
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
 
 def finished_ids(scheduler_output: Any) -> set[str]:
@@ -188,6 +226,54 @@ def will_finish(runner: Any, req_id: str, sampled: Callable[[], int]) -> bool:
         return False
     last = out[-1] if out[-1] >= 0 else sampled()
     return last in params.all_stop_token_ids
+
+
+# ----------------------------------------------------------------- runner (V2)
+
+
+def is_v2_runner(runner: Any) -> bool:
+    mod = sys.modules.get(RUNNER_V2[0])
+    return mod is not None and isinstance(runner, getattr(mod, RUNNER_V2[1]))
+
+
+def v2_runner_module() -> Any:
+    return sys.modules[RUNNER_V2[0]]
+
+
+def v2_batch(runner: Any, batch: Any) -> list[tuple[str, int, int, int, int, int]]:
+    """``(req_id, start, end, computed_before, prefill_len, prompt_len)`` per row of a
+    V2 ``InputBatch`` (its order is rebuilt every step: decodes first)."""
+    qsl = batch.query_start_loc_np
+    prompt = runner.req_states.prompt_len.np
+    return [
+        (req_id, int(qsl[i]), int(qsl[i + 1]), int(batch.num_computed_tokens_np[i]),
+         int(batch.prefill_len_np[i]), int(prompt[batch.idx_mapping_np[i]]))
+        for i, req_id in enumerate(batch.req_ids[: batch.num_reqs])
+    ]
+
+
+def v2_padded_tokens(batch: Any) -> int:
+    return int(batch.num_tokens_after_padding)
+
+
+def v2_sampled(sample_result: Any) -> Any:
+    """``sampled_token_ids`` ([num_reqs, 1], device) of V2's ``sample()`` result."""
+    return sample_result[0].sampled_token_ids
+
+
+def v2_will_finish(runner: Any, params: Any, computed_after: int, prefill_len: int, prompt_len: int,
+                   sampled: Callable[[], int]) -> bool:
+    """As :func:`will_finish`, from V2's arrays (no per-request Python state there)."""
+    if params is None or computed_after < prefill_len:  # a prefill chunk samples nothing
+        return False
+    outputs = computed_after + 1 - prompt_len
+    if params.max_tokens is not None and outputs >= params.max_tokens:
+        return True
+    if computed_after + 1 >= runner.max_model_len:
+        return True
+    if outputs < (params.min_tokens or 0):
+        return False
+    return sampled() in params.all_stop_token_ids
 
 
 def runner_model(runner: Any) -> Any:

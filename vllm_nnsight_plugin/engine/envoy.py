@@ -84,7 +84,7 @@ class WorkerEnvoy:
     def _access(self, kind: str, value: Any = _NOTHING) -> Any:
         session = self._inter.require_session()
         if kind in ("output", "input", "inputs"):
-            self._inter.check_module_access(self._path)
+            self._inter.check_module_access(self._path, kind)
         wait = Wait(kind, session.target_step, self._path, self._module, value)
         return session.request(wait)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..payload import codec
-from . import compat, edits
+from . import compat, edits, taps
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -42,12 +42,18 @@ def check_payload(raw: Any, params: Any, vllm_config: Any = None) -> dict[str, A
         raise codec.PayloadError(reason)
     if getattr(params, "n", 1) != 1:
         raise codec.PayloadError("traced requests take n=1: run one invoke per sample instead of n>1")
-    if vllm_config is not None and compat.uses_v2_runner(vllm_config):
-        raise codec.PayloadError(
-            "this engine runs vLLM's Model Runner V2, which vllm-nnsight-plugin does not hook yet, "
-            "so the intervention could not apply: start the engine with VLLM_USE_V2_MODEL_RUNNER=0"
-        )
-    if vllm_config is not None and not compat.runs_eager(vllm_config) and touches_modules(env):
+    if vllm_config is None or compat.runs_eager(vllm_config):
+        return env
+    tapped = taps.from_settings(compat.additional_config(vllm_config))
+    if tapped and env["kind"] == "spec":
+        for op in env["ops"]:
+            io = op.get("io", "output")
+            if "module" in op and not tapped.matches(op["module"], io):
+                raise codec.PayloadError(
+                    f"{op['module']}.{io} is not tapped: this engine runs compiled with CUDA graphs "
+                    f"and serves module values only at its taps ({tapped.describe()})"
+                )
+    elif not tapped and touches_modules(env):
         raise codec.PayloadError(
             "this engine runs compiled code / CUDA graphs, which skip Python hooks, so module "
             "reads and edits cannot apply: start it with enforce_eager=True (--enforce-eager) or "

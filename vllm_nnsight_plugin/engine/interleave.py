@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..payload import codec
-from . import compat
+from . import compat, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait
@@ -36,6 +36,7 @@ class StepLayout:
     logits: dict[str, Any] = field(default_factory=dict)  # req_id -> this step's logits row (copy)
     sampled: Any = None  # this step's sampled token ids (device tensor), once sampled
     sampled_cpu: list | None = None
+    logits_seen: bool = False
 
 
 def narrow(value: Any, start: int, end: int, num_tokens: int) -> Any:
@@ -100,7 +101,14 @@ class Interleaver:
     def __init__(self, model: torch.nn.Module, vllm_config: Any):
         self.model = model
         self.eager = compat.runs_eager(vllm_config)
-        self.limits = limits(compat.additional_config(vllm_config))
+        settings = compat.additional_config(vllm_config)
+        self.limits = limits(settings)
+        self.taps = taps.from_settings(settings)
+        # (path, kind) pairs the tap op serves in this (compiled) model; set by the runner
+        self.tapped: set[tuple[str, str]] = set(getattr(model, "_nnsight_tap_sites", ()))
+        self._tap_keys: dict[str, tuple[tuple, str]] = {}
+        if self.tapped:
+            taps.set_handler(self.on_tap)
         self.root = WorkerEnvoy(model, "", self)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
@@ -330,7 +338,16 @@ class Interleaver:
             raise RuntimeError("model locations can only be accessed inside a traced block")
         return self.current
 
-    def check_module_access(self, path: str) -> None:
+    def check_module_access(self, path: str, kind: str = "output") -> None:
+        if self.eager or (path, kind) in self.tapped:
+            return
+        if self.tapped or self.taps:
+            raise InterventionFailure(
+                f"{path or 'model'}.{kind} is not tapped: this engine runs compiled code with CUDA "
+                f"graphs and serves module values only at its taps ({self.taps.describe()}). "
+                "Declare the location in taps= (--additional-config nnsight.taps for a server) "
+                "or run the engine eager. model.logits and model.samples work in every mode."
+            )
         if not self.eager:
             raise InterventionFailure(
                 f"reading or editing module {path or 'model'!r} needs an eager engine: this engine "
@@ -344,7 +361,7 @@ class Interleaver:
             return
         key = wait.key
         self.waiters[key].append(session)
-        if wait.module is not None:
+        if wait.module is not None and self.eager:  # compiled engines: the tap op serves
             self._ensure_hook(wait.module, wait.kind)
             # A hook added while a module runs is ignored for that call (torch picks
             # its hooks at call entry), so enclosing modules get theirs now: a later
@@ -397,6 +414,28 @@ class Interleaver:
         return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
     # ------------------------------------------------------------ serving
+    def on_tap(self, site: str, xs: list[torch.Tensor]) -> None:
+        """The tap op ran (between two graph pieces): serve blocks parked there."""
+        found = self._tap_keys.get(site)
+        if found is None:
+            path, kind, code = taps.parse_site(site)
+            found = self._tap_keys[site] = ((id(self.envoy_at(path)._module), kind), code)
+        key, code = found
+        if self.layout is not None and self.waiters.get(key):
+            self.serve(key, taps.rebuild(code, xs))
+
+    def needs_python(self, req_ids: Any) -> bool:
+        """Whether a block of these requests may touch a tap this step (the step must
+        then run the tap op: piecewise graphs or eager, not a full graph)."""
+        for req_id in req_ids:
+            for session in self.sessions.get(req_id, ()):
+                if not session.active:
+                    continue
+                wait = session.wait
+                if wait is None or wait.kind != "step" or wait.step <= session.step:
+                    return True
+        return False
+
     def keep_logits(self, logits: torch.Tensor) -> None:
         """Keep each traced request's logits row: samples come after logits, and
         a block may read ``model.logits`` after touching ``model.samples``."""

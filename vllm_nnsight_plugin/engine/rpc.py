@@ -21,12 +21,16 @@ def nnsight_probe(self: Any) -> dict[str, Any]:
     from . import compat
 
     runner_cls = type(self.model_runner)
+    v2 = compat.is_v2_runner(self.model_runner)
+    names = ("execute_model", "prepare_inputs", "sample", "sample_tokens") if v2 else \
+        ("execute_model", "_model_forward", "_sample", "sample_tokens")
     return {
         "pid": os.getpid(),
-        "runner": runner_cls.__name__,
+        "runner": f"{runner_cls.__module__}.{runner_cls.__name__}",
+        "v2": v2,
         "patched": all(
             compat.is_patched(cls, name)
-            for name in ("execute_model", "_model_forward", "_sample", "sample_tokens")
+            for name in names
             for cls in [next(c for c in runner_cls.__mro__ if name in c.__dict__)]
         ),
     }

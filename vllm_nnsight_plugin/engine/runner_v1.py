@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from . import compat
+from . import compat, taps
 from .interleave import Interleaver, StepLayout
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -41,7 +41,10 @@ def _wrap_compute_logits(model: Any, inter: Interleaver) -> None:
 
     def compute_logits(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         logits = original(hidden_states, *args, **kwargs)
-        if inter.layout is not None:
+        layout = inter.layout
+        # once per step: later calls (prompt logprobs, drafts) are not the sampled rows
+        if layout is not None and not layout.logits_seen:
+            layout.logits_seen = True
             if inter.waiters.get(("logits",)):
                 inter.serve(("logits",), logits, row_based=True)
             inter.keep_logits(logits)
@@ -148,7 +151,33 @@ def _sample_tokens(original: Callable) -> Callable:
     return sample_tokens
 
 
+def _load_model(original: Callable) -> Callable:
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        taps.on_model_loaded(self)
+        return out
+
+    return load_model
+
+
+def _determine_batch_execution(original: Callable) -> Callable:
+    def determine(self: Any, *args: Any, **kwargs: Any) -> Any:
+        so = self.__dict__.get(_SO)
+        if so is not None and taps.step_needs_taps(self, so.num_scheduled_tokens):
+            return compat.forbid_full_graph(original, self, args, kwargs)
+        return original(self, *args, **kwargs)
+
+    return determine
+
+
+def install_load_model(runner_cls: type) -> None:
+    compat.patch_method(runner_cls, "load_model", _load_model)
+
+
 def install(runner_cls: type) -> None:
+    install_load_model(runner_cls)
+    if hasattr(runner_cls, compat.V1_GRAPH_DISPATCH):
+        compat.patch_method(runner_cls, compat.V1_GRAPH_DISPATCH, _determine_batch_execution)
     compat.patch_method(runner_cls, "execute_model", _execute_model)
     compat.patch_method(runner_cls, "_model_forward", _model_forward)
     compat.patch_method(runner_cls, "_sample", _sample)

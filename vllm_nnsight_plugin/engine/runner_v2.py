@@ -1,0 +1,151 @@
+"""Hooks into vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner``), the
+CUDA default for dense models since vLLM 0.2x.
+
+V2 has no ``_model_forward``: the forward is inline in ``execute_model``, and
+uniform-decode steps replay a full CUDA graph without calling the model at all.
+So the step's layout is published from ``prepare_inputs`` (the batch order is
+final there, and it runs on every real step), and steps in which a block may
+touch a tap are dispatched off full graphs (``dispatch_cg_and_sync_dp``).
+V2 keeps no ``SamplingParams`` per request, so the adapter keeps them for the
+requests it traces (the finish prediction needs them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import compat, taps
+from .interleave import StepLayout
+from .runner_v1 import _ATTR, _SO, _load_model, interleaver_of
+
+_PARAMS = "_nnsight_params"  # req_id -> SamplingParams of traced requests
+_BATCH = "_nnsight_input_batch"  # this step's InputBatch, until sample_tokens
+_force_piecewise = False  # set per step by execute_model, read by the dispatch wrap
+
+
+def _execute_model(original: Callable) -> Callable:
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        global _force_piecewise
+        if kwargs.get("dummy_run"):
+            return original(self, scheduler_output, *args, **kwargs)
+        new = compat.new_requests_with_params(scheduler_output)
+        traced = [r for r in new if r[1] and "nnsight" in r[1]]
+        inter = interleaver_of(self, create=bool(traced))
+        if inter is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        params = self.__dict__.setdefault(_PARAMS, {})
+        finished = compat.finished_ids(scheduler_output)
+        inter.finish(finished)
+        for req_id in finished:
+            params.pop(req_id, None)
+        for req_id in compat.preempted_ids(scheduler_output):
+            # V2 drops a preempted request's state and later re-sends it as new
+            inter.fail_request(
+                req_id,
+                "the request was preempted and its forward will be recomputed; its intervention "
+                "state cannot be replayed (give the engine more KV cache or fewer concurrent requests)",
+            )
+        for req_id, extra_args, sampling in new if inter.edits else traced:
+            inter.admit(req_id, extra_args)
+            if req_id in inter.sessions:
+                params[req_id] = sampling
+        if not inter.sessions:
+            return original(self, scheduler_output, *args, **kwargs)
+        self.__dict__[_SO] = scheduler_output
+        _force_piecewise = taps.step_needs_taps(self, scheduler_output.num_scheduled_tokens)
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            self.__dict__[_SO] = None
+            _force_piecewise = False
+
+    return execute_model
+
+
+def _prepare_inputs(original: Callable) -> Callable:
+    def prepare_inputs(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = original(self, scheduler_output, *args, **kwargs)
+        inter = self.__dict__.get(_ATTR)
+        if self.__dict__.get(_SO) is None or inter is None or not inter.sessions:
+            return batch
+        spans: dict[str, tuple[int, int]] = {}
+        rows: dict[str, int] = {}
+        for row, (req_id, start, end, computed, prefill_len, _) in enumerate(compat.v2_batch(self, batch)):
+            spans[req_id], rows[req_id] = (start, end), row
+            if req_id in inter.sessions and computed < prefill_len and (computed > 0 or end < start + prefill_len):
+                inter.fail_request(
+                    req_id,
+                    f"the prompt ({prefill_len} tokens) was not computed in one engine step "
+                    f"({computed} cached, {end - start} scheduled): chunked prefill split it. "
+                    "Traced requests need the whole prompt in one step: raise "
+                    "max_num_batched_tokens or shorten the prompt",
+                )
+        self.__dict__[_BATCH] = batch
+        inter.begin_step(StepLayout(spans, rows, compat.v2_padded_tokens(batch)))
+        return batch
+
+    return prepare_inputs
+
+
+def _sample(original: Callable) -> Callable:
+    def sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        inter = self.__dict__.get(_ATTR)
+        if inter is not None and inter.layout is not None:
+            sampled = compat.v2_sampled(out)
+            inter.layout.sampled = sampled
+            if inter.waiters.get(("samples",)):
+                inter.serve(("samples",), sampled, row_based=True)
+        return out
+
+    return sample
+
+
+def _sample_tokens(original: Callable) -> Callable:
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        inter = self.__dict__.get(_ATTR)
+        batch = self.__dict__.pop(_BATCH, None)
+        if inter is None or inter.layout is None or batch is None:
+            return out
+        layout = inter.layout
+        params = self.__dict__.get(_PARAMS, {})
+
+        def sampled(req_id: str) -> int:
+            if layout.sampled_cpu is None:  # one device->host copy per step, only if needed
+                layout.sampled_cpu = layout.sampled.reshape(len(layout.rows), -1)[:, 0].tolist()
+            return int(layout.sampled_cpu[layout.rows[req_id]])
+
+        finishing = set()
+        for req_id, start, end, computed, prefill_len, prompt_len in compat.v2_batch(self, batch):
+            if req_id in params and inter.between_steps(req_id) and compat.v2_will_finish(
+                self, params[req_id], computed + end - start, prefill_len, prompt_len,
+                lambda r=req_id: sampled(r),
+            ):
+                finishing.add(req_id)
+        results = inter.end_step(finishing)
+        if results:
+            compat.attach_results(out, results)
+        return out
+
+    return sample_tokens
+
+
+def _dispatch(original: Callable) -> Callable:
+    def dispatch(manager: Any, num_reqs: int, num_tokens: int, uniform_token_count: Any,
+                 *args: Any, **kwargs: Any) -> Any:
+        if _force_piecewise:  # a full graph would skip the tap op: piecewise (or eager) instead
+            uniform_token_count = None
+        return original(manager, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+
+    return dispatch
+
+
+def install(runner_cls: type) -> None:
+    compat.patch_method(runner_cls, "load_model", _load_model)
+    compat.patch_method(runner_cls, "execute_model", _execute_model)
+    compat.patch_method(runner_cls, "prepare_inputs", _prepare_inputs)
+    compat.patch_method(runner_cls, "sample", _sample)
+    compat.patch_method(runner_cls, "sample_tokens", _sample_tokens)
+    compat.wrap_module_function(compat.v2_runner_module(), compat.V2_GRAPH_DISPATCH, _dispatch)
