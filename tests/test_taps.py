@@ -143,3 +143,16 @@ def test_untraced_neighbours_are_bit_identical(tapped):
     base, mixed = run(False), run(True)
     assert mixed[1] == base[1] and mixed[2] == base[2]
     assert mixed[0] != base[0]
+
+
+def test_batched_spec_steering_at_a_tap_equals_the_block(tapped):
+    """The declarative steering path (no block per request) through the tap op."""
+    from test_batched import VEC_A, _block_a, _params, _seen, _spec
+
+    llm = tapped.vllm_entrypoint
+    prompts = ["The capital of Japan is", "Hello world!", "One two three four"]
+    spec = _spec(VEC_A)
+    as_spec = llm.generate(prompts, [_params(spec), _params(), _params(spec)], use_tqdm=False)
+    as_block = llm.generate(prompts, [_params(make_payload(_block_a)), _params(), _params(make_payload(_block_a))],
+                            use_tqdm=False)
+    assert _seen(as_spec) == _seen(as_block)

@@ -57,17 +57,19 @@ def steer(model, tracer):
 
 
 TAPS = ["model.layers.8.output"]
+STEER_SPEC = json.dumps({"v": 1, "kind": "spec", "ops": [
+    {"op": "add", "module": "model.layers.8", "index": 0, "value": [0.01] * 2048, "steps": "all"}]})
 CAPTURES = ["plain", "prefill", "every_token"]
 VARIANTS = {
     # name: (plugin on, V1 runner, enforce_eager, workloads, taps)
     "stock_graphs": (False, False, False, ["plain"], False),
     "stock_eager": (False, False, True, ["plain"], False),
     "idle_graphs": (True, False, False, ["plain"], False),
-    "taps": (True, False, False, CAPTURES + ["steer"], True),  # compiled + CUDA graphs (V2)
+    "taps": (True, False, False, CAPTURES + ["steer", "steer_spec"], True),  # compiled + CUDA graphs (V2)
     "v2_eager": (True, False, True, CAPTURES, False),
     "stock_v1_eager": (False, True, True, ["plain"], False),
     "v1_eager": (True, True, True, CAPTURES, False),
-    "taps_v1": (True, True, False, CAPTURES + ["steer"], True),
+    "taps_v1": (True, True, False, CAPTURES + ["steer", "steer_spec"], True),
 }
 
 
@@ -96,6 +98,9 @@ def child(variant: str, reps: int) -> None:
 
     sps = {"plain": params(), "prefill": params(prefill_capture), "every_token": params(every_token_capture),
            "steer": params(steer)}
+    # the same steering as a declarative spec: runs batched (one add for all requests), no block
+    sps["steer_spec"] = SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
+                                       detokenize=False, extra_args={"nnsight": STEER_SPEC})
     for name in workloads:  # warm-up at full batch size (first full batch compiles kernels)
         llm.generate(prompts, sps[name], use_tqdm=False)
     times: dict[str, list[float]] = {w: [] for w in workloads}

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..payload import codec
-from . import compat, taps
+from . import batched, compat, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait
@@ -112,6 +112,7 @@ class Interleaver:
         self.root = WorkerEnvoy(model, "", self)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
+        self.batched = batched.BatchedEdits(self)
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.edits: dict[str, tuple[str | None, dict[str, Any]]] = {}  # engine-wide: id -> (name, payload)
         self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
@@ -180,6 +181,14 @@ class Interleaver:
         from .spec_runner import run_spec
 
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
+        if batched.eligible(env):  # applied with every other request's identical edit, no greenlet
+            self.batched.add(session, env)
+            session.batched = True
+            session.wait = Wait("step", 1 << 62)
+            if self.eager:
+                for op in env["ops"]:
+                    self._ensure_hook(self.envoy_at(op["module"])._module, op.get("io", "output"))
+            return
         session.namespace.update(
             model=self.root,
             tracer=self.tracer,
@@ -240,7 +249,7 @@ class Interleaver:
         self.layout = layout
         for req_id in layout.spans:
             for session in self.sessions.get(req_id, ()):
-                if not session.active:
+                if not session.active or session.batched:
                     continue
                 if session._glet is None:
                     self._run(session, session.start)
@@ -257,6 +266,10 @@ class Interleaver:
         for req_id in layout.spans:
             blocks = self.sessions.get(req_id)
             if not blocks:
+                continue
+            if req_id not in finishing and all(s.batched and s.active and s.step > 0 for s in blocks):
+                for session in blocks:  # nothing to record until the request ends
+                    session.step += 1
                 continue
             for session in blocks:
                 if not session.active:
@@ -279,6 +292,7 @@ class Interleaver:
                     session.close()
                 del self.sessions[req_id]
         self.layout = None
+        self.batched.prune()
         self._prune_hooks()
         results, self.results = self.results, {}
         return results
@@ -396,7 +410,8 @@ class Interleaver:
     def _prune_hooks(self) -> None:
         for key in [k for k, lst in self.waiters.items() if not lst]:
             del self.waiters[key]
-        for key in [k for k in self.hooks if k not in self.waiters]:
+        keep = self.batched.keys()
+        for key in [k for k in self.hooks if k not in self.waiters and k not in keep]:
             self.hooks.pop(key).remove()
 
     def _install(self, module: torch.nn.Module, kind: str) -> Any:
@@ -408,7 +423,7 @@ class Interleaver:
         def pre_hook(mod, args, kwargs):  # noqa: ANN001
             if self.waiters.get((id(mod), "inputs")):
                 self.serve((id(mod), "inputs"), (args, kwargs))
-            if self.waiters.get((id(mod), "input")):
+            if self.waiters.get((id(mod), "input")) or (id(mod), "input") in self.batched.at:
                 first = args[0] if args else next(iter(kwargs.values()), None)
                 self.serve((id(mod), "input"), first)
         return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -421,7 +436,7 @@ class Interleaver:
             path, kind, code = taps.parse_site(site)
             found = self._tap_keys[site] = ((id(self.envoy_at(path)._module), kind), code)
         key, code = found
-        if self.layout is not None and self.waiters.get(key):
+        if self.layout is not None and (self.waiters.get(key) or key in self.batched.at):
             self.serve(key, taps.rebuild(code, xs))
 
     def needs_python(self, req_ids: Any) -> bool:
@@ -432,7 +447,7 @@ class Interleaver:
                 if not session.active:
                     continue
                 wait = session.wait
-                if wait is None or wait.kind != "step" or wait.step <= session.step:
+                if session.batched or wait is None or wait.kind != "step" or wait.step <= session.step:
                     return True
         return False
 
@@ -462,6 +477,8 @@ class Interleaver:
     def serve(self, key: tuple, value: Any, row_based: bool = False) -> None:
         """Give every session parked on ``key`` for this step its rows of ``value``."""
         layout = self.layout
+        if layout is not None and key in self.batched.at:
+            self.batched.apply(key, value)
         waiting = self.waiters.get(key)
         if layout is None or not waiting:
             return

@@ -128,6 +128,7 @@ class RequestSession:
     changed: list[str] = field(default_factory=list)  # names the last snapshot brought new values for
     last: dict[str, Any] = field(default_factory=dict)  # the last shipped saves (CPU)
     final: bool = False  # its last state has been recorded
+    batched: bool = False  # a batched edit spec: no greenlet, applied by the interleaver
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _glet: greenlet.greenlet | None = None
 
@@ -260,6 +261,9 @@ class RequestSession:
         """The request produced its last token: let a block waiting for another
         step leave its loop (``tracer.all()``) and run to its end."""
         self.ended = True
+        if self.batched:
+            self.done, self.wait = True, None
+            return
         if self.active and self.wait is not None and self.wait.kind == "step":
             self.wait = None
             self.resume(END)
@@ -320,7 +324,7 @@ class RequestSession:
         return map_tensors(value, lambda t: moved[id(t)])
 
     def pending(self) -> dict[str, Any] | None:
-        if self.wait is None or self.done or self.error is not None:
+        if self.wait is None or self.done or self.error is not None or self.batched:
             return None
         return {
             "desc": self.wait.describe(),
