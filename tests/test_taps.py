@@ -155,4 +155,10 @@ def test_batched_spec_steering_at_a_tap_equals_the_block(tapped):
     as_spec = llm.generate(prompts, [_params(spec), _params(), _params(spec)], use_tqdm=False)
     as_block = llm.generate(prompts, [_params(make_payload(_block_a)), _params(), _params(make_payload(_block_a))],
                             use_tqdm=False)
-    assert _seen(as_spec) == _seen(as_block)
+    # exact tokens; logprobs to 1e-5: on the H200 (compiled, V2) they differed in the last
+    # bit (5e-7) between the two runs; on CPU they are bit-identical (test_batched.py)
+    for (tok_s, lps_s), (tok_b, lps_b) in zip(_seen(as_spec), _seen(as_block)):
+        assert tok_s == tok_b
+        for step_s, step_b in zip(lps_s, lps_b):
+            assert step_s.keys() == step_b.keys()
+            assert all(abs(step_s[t] - step_b[t]) <= 1e-5 for t in step_s)

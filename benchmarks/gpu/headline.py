@@ -73,7 +73,7 @@ VARIANTS = {
 }
 
 
-def child(variant: str, reps: int) -> None:
+def child(variant: str, reps: int, only: list[str]) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_nnsight_plugin import make_payload, results
@@ -82,6 +82,7 @@ def child(variant: str, reps: int) -> None:
     import torch
 
     _, _, eager, workloads, taps = VARIANTS[variant]
+    workloads = [w for w in workloads if w in only or w == "plain"] if only else workloads
     STEER = torch.full((2048,), 0.01, dtype=torch.bfloat16)
     extra = {"additional_config": {"nnsight": {"taps": TAPS}}} if taps else {}
     t0 = time.time()
@@ -124,10 +125,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--workloads", default="", help="keep only these workloads (comma-separated)")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.reps)
+        child(args.child, args.reps, [w for w in args.workloads.split(",") if w])
         return
     make_config()
     out_dir = os.environ.get("OUT", ".")
@@ -141,7 +143,8 @@ def main() -> None:
         else:
             env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
         t = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--child", variant, "--reps", str(args.reps)],
+        proc = subprocess.run([sys.executable, __file__, "--child", variant, "--reps", str(args.reps),
+                               "--workloads", args.workloads],
                               env=env, capture_output=True, text=True, timeout=1200)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:

@@ -28,8 +28,11 @@ ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
 REQUEST_OUTPUT = ("vllm.outputs", "RequestOutput")
 SERVING_COMPLETION = ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion")
 SERVING_CHAT = ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat")
-APP_MODULE = "vllm.entrypoints.launchers.app"
-APP_ROUTE_HOOK = "attach_endpoint_plugins"  # called by build_app after the core routers
+# build_app's last step (attach endpoint plugins, after the core routers), per vLLM version
+APP_ROUTE_HOOKS = (
+    ("vllm.entrypoints.launchers.app", "attach_endpoint_plugins"),  # vllm 0.32
+    ("vllm.entrypoints.openai.api_server", "_attach_endpoint_plugins"),  # vllm 0.26
+)
 
 _MARK = "__nnsight_wrapped__"
 
@@ -391,7 +394,7 @@ def serving_http() -> bool:
     return any(name in sys.modules for name in HTTP_SERVER_MODULES)
 
 
-HTTP_SERVER_MODULES = ("vllm.entrypoints.launchers.app", "vllm.entrypoints.openai.api_server")
+HTTP_SERVER_MODULES = tuple(module for module, _ in APP_ROUTE_HOOKS)
 
 
 def serving_vllm_config(serving: Any) -> Any:

@@ -9,4 +9,5 @@ def install() -> None:
 
     compat.when_class(compat.SERVING_COMPLETION, handlers.install_completion)
     compat.when_class(compat.SERVING_CHAT, handlers.install_chat)
-    compat.when_imported(compat.APP_MODULE, routes.install)
+    for module_name, _ in compat.APP_ROUTE_HOOKS:
+        compat.when_imported(module_name, routes.install)

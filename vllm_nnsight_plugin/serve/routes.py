@@ -107,4 +107,6 @@ def _attach(original: Callable) -> Callable:
 
 
 def install(app_module: Any) -> None:
-    compat.wrap_module_function(app_module, compat.APP_ROUTE_HOOK, _attach)
+    for module_name, function in compat.APP_ROUTE_HOOKS:
+        if app_module.__name__ == module_name and hasattr(app_module, function):
+            compat.wrap_module_function(app_module, function, _attach)
