@@ -79,7 +79,8 @@ class VLLM(Envoy):
     keywords go to it. Without ``dispatch`` nothing heavy happens until the first
     trace. The engine runs eager by default (``enforce_eager=True``) because
     compiled graphs skip Python hooks; ``model.logits``/``model.samples`` work
-    in every mode.
+    in every mode. ``taps=["model.layers.*.output", ...]`` runs it compiled with
+    CUDA graphs instead, serving module values at those locations only.
     """
 
     def __init__(self, model: str, dispatch: bool = False, mode: str = "sync",

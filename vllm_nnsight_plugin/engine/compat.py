@@ -225,8 +225,8 @@ def will_finish(runner: Any, req_id: str, sampled: Callable[[], int]) -> bool:
     prompt = len(state.prompt_token_ids or ())
     if prompt + len(out) >= runner.max_model_len:
         return True
-    if len(out) < (params.min_tokens or 0):
-        return False
+    if len(out) < (params.min_tokens or 0) or not params.all_stop_token_ids:
+        return False  # no stop token to check: no device->host read (keeps async scheduling)
     last = out[-1] if out[-1] >= 0 else sampled()
     return last in params.all_stop_token_ids
 
@@ -274,8 +274,8 @@ def v2_will_finish(runner: Any, params: Any, computed_after: int, prefill_len: i
         return True
     if computed_after + 1 >= runner.max_model_len:
         return True
-    if outputs < (params.min_tokens or 0):
-        return False
+    if outputs < (params.min_tokens or 0) or not params.all_stop_token_ids:
+        return False  # no stop token to check: no device->host read (keeps async scheduling)
     return sampled() in params.all_stop_token_ids
 
 
