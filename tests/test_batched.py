@@ -79,3 +79,116 @@ def test_a_bad_batched_edit_ends_only_its_requests(llama):
         except InterventionError as err:
             assert "ops[0] (add model.layers.1)" in str(err)
     assert len(outs[1].outputs[0].token_ids) == 5
+
+
+# --- the interleaver's batched-edit bookkeeping, on a toy module (no engine needed) ---
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(), _Layer()])
+        self.lm_head = torch.nn.Linear(4, 4)  # never called by forward, like vLLM's
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _toy():
+    import types
+
+    from vllm_nnsight_plugin.engine.interleave import Interleaver
+
+    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=True),
+                                compilation_config=None, additional_config={})
+    model = _Toy().eval()
+    return model, Interleaver(model, cfg)
+
+
+def _toy_spec(*ops) -> str:
+    return json.dumps({"v": 1, "kind": "spec", "ops": list(ops)})
+
+
+def _step(model, inter, spans, x):
+    from vllm_nnsight_plugin.engine.interleave import StepLayout
+
+    inter.begin_step(StepLayout(spans, {r: i for i, r in enumerate(spans)}, x.shape[0]))
+    with torch.no_grad():
+        model(x)
+    return inter.end_step()
+
+
+def test_a_batched_edit_of_a_module_the_forward_never_calls_fails():
+    model, inter = _toy()
+    inter.admit("a", {"nnsight": _toy_spec({"op": "scale", "module": "lm_head", "factor": 0.0, "steps": "all"})})
+    assert inter.sessions["a"][0].batched
+    out = _step(model, inter, {"a": (0, 2)}, torch.randn(2, 4))
+    assert "was not reached" in out["a"]["error"]["message"]
+
+
+def test_finished_requests_leave_no_batched_state_or_hooks():
+    model, inter = _toy()
+    inter.admit("b", {"nnsight": _toy_spec({"op": "add", "module": "layers.0", "value": [1, 1, 1, 1],
+                                             "steps": "all"})})
+    _step(model, inter, {"b": (0, 1)}, torch.randn(1, 4))
+    inter.finish(["b"])  # an abort or a stop string: vLLM finishes it
+    _step(model, inter, {}, torch.randn(1, 4))
+    assert not inter.batched.at and not inter.hooks and not inter.traced
+
+
+def test_batched_edits_keep_each_requests_block_order():
+    """Installed edits run before the request's own block, whoever else shares the batch."""
+    model, inter = _toy()
+    scale = _toy_spec({"op": "scale", "module": "layers.0", "factor": 0.5, "steps": "all"})
+    inter.admit("q", {"nnsight": scale})  # its scale group exists first
+    inter.install_edit("e1", "steer", _toy_spec({"op": "add", "module": "layers.0", "value": [10.0] * 4,
+                                                  "steps": "all"}))
+    inter.admit("r", {"nnsight": scale, "nnsight_edits": ["steer"]})
+    seen = {}
+    handle = model.layers[0].register_forward_hook(lambda mod, args, out: seen.setdefault("out", out.clone()))
+    x = torch.zeros(2, 4)
+    with torch.no_grad():
+        raw = model.layers[0](x).clone()
+    seen.clear()
+    _step(model, inter, {"q": (0, 1), "r": (1, 2)}, x)
+    handle.remove()
+    torch.testing.assert_close(seen["out"][0], raw[0] * 0.5)
+    torch.testing.assert_close(seen["out"][1], (raw[1] + 10) * 0.5)
+
+
+def test_a_recomputed_request_whose_blocks_are_over_fails_and_is_not_restarted():
+    """vLLM preempts a request and recomputes it (V2 re-sends it as new): the edit its
+    finished block made at prefill would be missing from the recompute, so say so."""
+    model, inter = _toy()
+    once = _toy_spec({"op": "add", "module": "layers.0", "value": [1.0] * 4})  # prefill only
+    inter.admit("a", {"nnsight": once})
+    out = _step(model, inter, {"a": (0, 2)}, torch.randn(2, 4))
+    assert out["a"]["error"] is None and "a" not in inter.sessions  # the block is over
+    inter.fail_request("a", "the request was preempted and its forward recomputed")
+    inter.admit("a", {"nnsight": once})  # re-sent as new
+    assert "a" not in inter.sessions
+    out = _step(model, inter, {"a": (0, 3)}, torch.randn(3, 4))
+    assert "preempted" in out["a"]["error"]["message"]
+
+
+def test_an_exception_in_the_tap_handler_never_breaks_the_forward():
+    from vllm_nnsight_plugin.engine import taps
+
+    def broken(site, xs):
+        raise RuntimeError("boom")
+
+    taps.set_handler(broken)
+    try:
+        taps._tap([torch.zeros(2)], "model.layers.0|output|T")  # logged, not raised
+    finally:
+        taps.set_handler(None)

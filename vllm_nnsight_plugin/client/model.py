@@ -88,7 +88,7 @@ class VLLM(Envoy):
         super().__init__("", None)
         if mode not in ("sync", "async"):
             raise ValueError("mode is 'sync' (vllm.LLM) or 'async' (vllm AsyncLLM)")
-        tapset = TapSet([taps] if isinstance(taps, str) else taps)
+        tapset = TapSet([taps] if isinstance(taps, str) else (taps or ()))
         if tapset:  # compiled + CUDA graphs, the tap op at each declared location
             extra = dict(llm_kwargs.get("additional_config") or {})
             extra["nnsight"] = {**extra.get("nnsight", {}), "taps": tapset.patterns}

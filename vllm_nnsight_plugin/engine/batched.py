@@ -40,7 +40,8 @@ def eligible(env: dict[str, Any]) -> bool:
 class Entry:
     session: RequestSession
     op: dict[str, Any]
-    number: int  # position in the spec, for error messages
+    number: int  # position in the spec (order within a location, error messages)
+    block: int  # position of the spec among the request's blocks (edits first)
 
 
 class BatchedEdits:
@@ -49,15 +50,19 @@ class BatchedEdits:
     def __init__(self, inter: Interleaver):
         self.inter = inter
         self.at: dict[tuple, list[Entry]] = defaultdict(list)
+        self.served: set[tuple] = set()  # locations applied this step
         self._values: dict[tuple[int, torch.dtype], tuple[dict[str, Any], torch.Tensor]] = {}
 
-    def add(self, session: RequestSession, env: dict[str, Any]) -> None:
-        """Register a request's ops (in spec order per location, forward order across)."""
+    def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
+        """Register a request's ops (applied in block then spec order per location)."""
+        entries = []
         for number, op in enumerate(env["ops"]):
             envoy = self.inter.envoy_at(op["module"])
             kind = op.get("io", "output")
             self.inter.check_module_access(op["module"], kind)
-            self.at[(id(envoy._module), kind)].append(Entry(session, op, number))
+            entries.append(((id(envoy._module), kind), Entry(session, op, number, block)))
+        for key, entry in entries:  # all ops checked first: a refused spec registers nothing
+            self.at[key].append(entry)
 
     def keys(self) -> set[tuple]:
         return set(self.at)
@@ -74,26 +79,47 @@ class BatchedEdits:
     def apply(self, key: tuple, value: Any) -> None:
         """Apply every batched edit registered at ``key`` to this step's rows."""
         layout = self.inter.layout
-        groups: dict[int, tuple[Entry, list[tuple[int, int]], list[RequestSession]]] = {}
+        self.served.add(key)
+        groups: dict[tuple[int, int, int], tuple[Entry, list[tuple[int, int]], list[RequestSession]]] = {}
         for entry in self.at.get(key, ()):
             session = entry.session
             span = layout.spans.get(session.req_id)
             if span is None or not session.active:
                 continue
-            group = groups.get(id(entry.op))
+            # one group per (block, op, identical op): a request's own order is kept
+            gkey = (entry.block, entry.number, id(entry.op))
+            group = groups.get(gkey)
             if group is None:
-                group = groups[id(entry.op)] = (entry, [], [])
+                group = groups[gkey] = (entry, [], [])
             group[1].append(span)
             group[2].append(session)
-        for entry, spans, sessions in groups.values():
+        for gkey in sorted(groups):
+            entry, spans, sessions = groups[gkey]
             try:
-                self._apply_one(entry.op, value, spans)
+                self._apply_one(entry.op, value, spans, layout.num_tokens)
             except Exception as exc:  # noqa: BLE001 - a bad edit ends the requests that sent it
                 where = f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']})"
                 for session in sessions:
                     session.fail(f"{where}: {exc}")
 
-    def _apply_one(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]]) -> None:
+    def check_reached(self, layout: Any) -> None:
+        """End of step: an edit whose location the forward never served did not apply
+        (say so, as for a block), e.g. ``lm_head`` (vLLM applies it in compute_logits)."""
+        for key, entries in self.at.items():
+            if key in self.served:
+                continue
+            for entry in entries:
+                session = entry.session
+                if session.active and session.req_id in layout.spans:
+                    session.fail(
+                        f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']}."
+                        f"{entry.op.get('io', 'output')}) was not reached at step {session.step}: vLLM "
+                        "never called that module this step (e.g. lm_head is applied inside "
+                        "compute_logits: use model.logits)"
+                    )
+        self.served.clear()
+
+    def _apply_one(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]], num_tokens: int) -> None:
         index = op.get("index")
         if index is not None:
             if not isinstance(value, (tuple, list)):
@@ -101,6 +127,9 @@ class BatchedEdits:
             value = value[index]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"the value is a {type(value).__name__}: set 'index'")
+        if value.dim() == 0 or value.shape[0] != num_tokens:
+            raise ValueError(f"the value (shape {tuple(value.shape)}) has no row per token of the batch "
+                             f"({num_tokens}): it cannot be edited per request")
         spans.sort()
         start, end = spans[0][0], spans[-1][1]
         if sum(e - s for s, e in spans) == end - start:  # contiguous rows: one view
@@ -122,10 +151,15 @@ class BatchedEdits:
             value.index_copy_(0, rows, target)
 
     def _value(self, op: dict[str, Any], like: torch.Tensor) -> torch.Tensor:
+        """The op's value on the device, decoded once; one row, broadcast over the rows."""
         key = (id(op), like.dtype)
         cached = self._values.get(key)
         if cached is None or cached[0] is not op:
             if len(self._values) > 1024:
                 self._values.clear()
-            cached = self._values[key] = (op, _tensor(op["value"], like))
+            value = _tensor(op["value"], like)
+            if value.dim() > 1 and value.shape[0] != 1:
+                raise ValueError(f"the value (shape {tuple(value.shape)}) is not one row: it is added "
+                                 "to every row of the request")
+            cached = self._values[key] = (op, value)
         return cached[1]

@@ -152,16 +152,32 @@ def add_splitting_op(vllm_config: Any, op_name: str) -> bool:
     return True
 
 
-def forbid_full_graph(original: Callable, runner: Any, args: tuple, kwargs: dict) -> Any:
-    """Call V1's ``_determine_batch_execution_and_padding`` so that the step cannot
-    replay a full CUDA graph (which would skip the tap op): piecewise if captured,
-    else eager. vLLM's own switch for this is the cascade-attention flag."""
-    kwargs = dict(kwargs)
-    if "use_cascade_attn" in kwargs or len(args) < 5:
-        kwargs["use_cascade_attn"] = True
-    else:
-        args = args[:4] + (True,) + args[5:]
-    return original(runner, *args, **kwargs)
+def guard_v1_dispatcher(runner: Any, wanted: Callable[[], str | None]) -> None:
+    """Wrap a V1 runner's CUDA-graph dispatcher: while ``wanted()`` says "piecewise",
+    full graphs (which would skip the tap op) are excluded; "eager" excludes graphs."""
+    disp = getattr(runner, "cudagraph_dispatcher", None)
+    if disp is None or getattr(disp.dispatch, _MARK, False):
+        return
+    from vllm.config import CUDAGraphMode
+
+    original = disp.dispatch
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        want = wanted()
+        if want and kwargs.get("valid_modes") is None:  # (a given valid set: forced eager / DP sync)
+            if want == "eager":
+                kwargs["valid_modes"] = {CUDAGraphMode.NONE}
+            else:
+                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
+        return original(*args, **kwargs)
+
+    setattr(dispatch, _MARK, True)
+    disp.dispatch = dispatch
+
+
+def v2_desc_is_full(batch_desc: Any) -> bool:
+    mode = getattr(batch_desc, "cg_mode", None)
+    return getattr(mode, "name", "") == "FULL"
 
 
 # ----------------------------------------------------------------- runner (V1)

@@ -114,6 +114,7 @@ class Interleaver:
         self.tracer = WorkerTracer(self)
         self.batched = batched.BatchedEdits(self)
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
+        self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
         self.edits: dict[str, tuple[str | None, dict[str, Any]]] = {}  # engine-wide: id -> (name, payload)
         self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
         self.hooks: dict[tuple, Any] = {}
@@ -126,16 +127,19 @@ class Interleaver:
     # ------------------------------------------------------------ admission
     def admit(self, req_id: str, extra_args: dict[str, Any] | None) -> None:
         """Blocks for a new request: the installed edits it selects, then its own."""
-        if req_id in self.sessions:
+        if req_id in self.traced:  # V2 re-sends a resumed request as new: never restart its blocks
             return
         extra = extra_args or {}
-        blocks = [self._session(req_id, env, label=f"edit {name or eid}")
-                  for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY))]
+        blocks: list[RequestSession] = []
+        for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY)):
+            blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
+                                        batchable=all(b.batched for b in blocks)))
         raw = extra.get(codec.PAYLOAD_KEY)
         if raw is not None:
-            blocks.append(self._session(req_id, raw))
+            blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks)))
         if blocks:
             self.sessions[req_id] = blocks
+            self.traced.add(req_id)
             if any(b.error for b in blocks):
                 self._record(req_id)
 
@@ -146,12 +150,15 @@ class Interleaver:
         wanted = {names} if isinstance(names, str) else set(names)
         return [(eid, e) for eid, e in self.edits.items() if e[0] is None or e[0] in wanted]
 
-    def _session(self, req_id: str, raw: Any, label: str = "") -> RequestSession:
+    def _session(self, req_id: str, raw: Any, label: str = "", index: int = 0,
+                 batchable: bool = True) -> RequestSession:
+        """One block. ``batchable``: every earlier block of the request is batched, so a
+        batched spec here still runs in block order (batched edits apply first)."""
         session = RequestSession(req_id, self)
         try:
             env = raw if isinstance(raw, dict) else codec.parse_envelope(raw)
             if env["kind"] == "spec":
-                self._admit_spec(session, env)
+                self._admit_spec(session, env, index if batchable else None)
                 return session
             session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
             payload = codec.load_code(env, self._resolver())
@@ -175,14 +182,14 @@ class Interleaver:
         the engine's device, so ``output += v`` works wherever the client ran."""
         return map_tensors(value, lambda t: t.to(self.device) if t.device != self.device else t)
 
-    def _admit_spec(self, session: RequestSession, env: dict[str, Any]) -> None:
+    def _admit_spec(self, session: RequestSession, env: dict[str, Any], batch_index: int | None) -> None:
         from functools import partial
 
         from .spec_runner import run_spec
 
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
-        if batched.eligible(env):  # applied with every other request's identical edit, no greenlet
-            self.batched.add(session, env)
+        if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
+            self.batched.add(session, env, batch_index)
             session.batched = True
             session.wait = Wait("step", 1 << 62)
             if self.eager:
@@ -198,10 +205,12 @@ class Interleaver:
     def envoy_at(self, path: str) -> WorkerEnvoy:
         """The envoy of a dotted module path (``model.layers.1.mlp``)."""
         envoy = self.root
-        for part in path.split(".") if path else ():
-            envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
-        if not isinstance(envoy, WorkerEnvoy):
-            raise AttributeError(f"{path!r} is not a module of this model")
+        for part in path.split(".") if path else ():  # submodules only (a module may be named "output")
+            if part not in envoy._module._modules:
+                names = ", ".join(envoy._module._modules) or "(no submodules)"
+                raise AttributeError(f"{path!r} is not a module of this model; "
+                                     f"{envoy._path or 'the model'} has submodules: {names}")
+            envoy = envoy._child(part)
         return envoy
 
     def module_rank(self, path: str) -> int:
@@ -229,8 +238,10 @@ class Interleaver:
         for req_id in req_ids:
             for session in self.sessions.pop(req_id, ()):
                 self._unwait(session)
+                session.ended = True  # batched edits drop it on the next prune
                 session.close()
             self.results.pop(req_id, None)
+            self.traced.discard(req_id)
 
     def fail_request(self, req_id: str, message: str) -> None:
         blocks = [s for s in self.sessions.get(req_id, ()) if s.active]
@@ -239,6 +250,35 @@ class Interleaver:
             session.fail(message)
         if blocks:
             self._record(req_id)
+        elif req_id in self.traced:  # its blocks are over, but what they edited would be lost
+            self.results.setdefault(req_id, {})["error"] = {
+                "type": "RuntimeError", "message": message, "lineno": None, "line": "",
+                "filename": "<engine>", "traceback": ""}
+
+    def stateless(self, req_id: str) -> bool:
+        """Only batched edits: a recompute or a split prompt gets them again, row by row."""
+        blocks = self.sessions.get(req_id)
+        return bool(blocks) and all(s.batched and s.active for s in blocks)
+
+    def preempted(self, req_id: str) -> None:
+        """vLLM preempted the request and will recompute its forward."""
+        if not self.stateless(req_id):
+            self.fail_request(
+                req_id,
+                "the request was preempted and its forward recomputed; its intervention state "
+                "cannot be replayed (give the engine more KV cache or fewer concurrent requests)",
+            )
+
+    def prompt_split(self, req_id: str, prompt_len: int, computed: int, scheduled: int) -> None:
+        """Chunked prefill (or a prefix-cache hit) split a traced prompt across steps."""
+        if not self.stateless(req_id):
+            self.fail_request(
+                req_id,
+                f"the prompt ({prompt_len} tokens) was not computed in one engine step "
+                f"({computed} cached, {scheduled} scheduled): chunked prefill split it. "
+                "Traced requests need the whole prompt in one step: raise "
+                "max_num_batched_tokens or shorten the prompt",
+            )
 
     def active(self, req_id: str) -> bool:
         return any(s.active for s in self.sessions.get(req_id, ()))
@@ -263,6 +303,7 @@ class Interleaver:
         layout = self.layout
         if layout is None:
             return {}
+        self.batched.check_reached(layout)
         for req_id in layout.spans:
             blocks = self.sessions.get(req_id)
             if not blocks:
@@ -299,7 +340,8 @@ class Interleaver:
 
     def between_steps(self, req_id: str) -> bool:
         """A block parked until a later step (``tracer.iter``/``tracer.all()``)."""
-        return any(s.active and s.wait is not None and s.wait.kind == "step" for s in self.sessions.get(req_id, ()))
+        return any(s.active and not s.batched and s.wait is not None and s.wait.kind == "step"
+                   for s in self.sessions.get(req_id, ()))
 
     def _record(self, req_id: str) -> None:
         """Merge the request's blocks into its step results (its own block's names win)."""
@@ -505,7 +547,7 @@ class Interleaver:
             if wait.value is not _NOTHING:
                 try:
                     assign(wait.value)
-                except ValueError as exc:
+                except Exception as exc:  # noqa: BLE001 - a bad value ends only its request
                     self._unwait(session)
                     session.fail(exc)
                     continue

@@ -64,12 +64,8 @@ def _execute_model(original: Callable) -> Callable:
         for req_id, extra_args in new if inter.edits else traced:  # edits reach every request
             inter.admit(req_id, extra_args)
         for req_id in compat.resumed_ids(scheduler_output):
-            inter.fail_request(
-                req_id,
-                "the request was preempted and its forward recomputed; its intervention state "
-                "cannot be replayed (give the engine more KV cache or fewer concurrent requests)",
-            )
-        if not inter.sessions:
+            inter.preempted(req_id)
+        if not inter.sessions and not inter.results:  # (results: an error for a recomputed request)
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
         try:
@@ -84,7 +80,7 @@ def _model_forward(original: Callable) -> Callable:
     def model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         so = self.__dict__.get(_SO)
         inter = self.__dict__.get(_ATTR)
-        if so is None or inter is None or not inter.sessions:
+        if so is None or inter is None or not (inter.sessions or inter.results):
             return original(self, *args, **kwargs)
         ids = kwargs.get("input_ids")
         if ids is None:
@@ -100,13 +96,7 @@ def _model_forward(original: Callable) -> Callable:
             start += scheduled
             if req_id in inter.sessions and computed < prompt_len:
                 if computed > 0 or scheduled < prompt_len - computed:
-                    inter.fail_request(
-                        req_id,
-                        f"the prompt ({prompt_len} tokens) was not computed in one engine step "
-                        f"({computed} cached, {scheduled} scheduled): chunked prefill split it. "
-                        "Traced requests need the whole prompt in one step: raise "
-                        "max_num_batched_tokens or shorten the prompt",
-                    )
+                    inter.prompt_split(req_id, prompt_len, computed, scheduled)
         num_tokens = int(ids.shape[0]) if ids is not None else start
         inter.begin_step(StepLayout(spans, rows, num_tokens))
         return original(self, *args, **kwargs)
@@ -151,10 +141,15 @@ def _sample_tokens(original: Callable) -> Callable:
     return sample_tokens
 
 
+_GRAPHS = "_nnsight_graph_mode"  # set while V1 picks this step's CUDA-graph mode
+
+
 def _load_model(original: Callable) -> Callable:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         taps.on_model_loaded(self)
+        if self.__dict__.get("_nnsight_tap_sites") and not compat.is_v2_runner(self):
+            compat.guard_v1_dispatcher(self, lambda: self.__dict__.get(_GRAPHS))
         return out
 
     return load_model
@@ -163,9 +158,14 @@ def _load_model(original: Callable) -> Callable:
 def _determine_batch_execution(original: Callable) -> Callable:
     def determine(self: Any, *args: Any, **kwargs: Any) -> Any:
         so = self.__dict__.get(_SO)
-        if so is not None and taps.step_needs_taps(self, so.num_scheduled_tokens):
-            return compat.forbid_full_graph(original, self, args, kwargs)
-        return original(self, *args, **kwargs)
+        mode = taps.step_graph_mode(self, so.num_scheduled_tokens) if so is not None else None
+        if mode is None:
+            return original(self, *args, **kwargs)
+        self.__dict__[_GRAPHS] = mode  # read by the dispatcher guard
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.__dict__[_GRAPHS] = None
 
     return determine
 

@@ -21,12 +21,12 @@ from .runner_v1 import _ATTR, _SO, _load_model, interleaver_of
 
 _PARAMS = "_nnsight_params"  # req_id -> SamplingParams of traced requests
 _BATCH = "_nnsight_input_batch"  # this step's InputBatch, until sample_tokens
-_force_piecewise = False  # set per step by execute_model, read by the dispatch wrap
+_graph_mode: str | None = None  # "piecewise"/"eager" per step (execute_model), read by the dispatch wrap
 
 
 def _execute_model(original: Callable) -> Callable:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        global _force_piecewise
+        global _graph_mode
         if kwargs.get("dummy_run"):
             return original(self, scheduler_output, *args, **kwargs)
         new = compat.new_requests_with_params(scheduler_output)
@@ -40,25 +40,20 @@ def _execute_model(original: Callable) -> Callable:
         for req_id in finished:
             params.pop(req_id, None)
         for req_id in compat.preempted_ids(scheduler_output):
-            # V2 drops a preempted request's state and later re-sends it as new
-            inter.fail_request(
-                req_id,
-                "the request was preempted and its forward will be recomputed; its intervention "
-                "state cannot be replayed (give the engine more KV cache or fewer concurrent requests)",
-            )
+            inter.preempted(req_id)  # V2 drops its state and later re-sends it as new
         for req_id, extra_args, sampling in new if inter.edits else traced:
             inter.admit(req_id, extra_args)
             if req_id in inter.sessions:
                 params[req_id] = sampling
-        if not inter.sessions:
+        if not inter.sessions and not inter.results:  # (results: an error for a recomputed request)
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
-        _force_piecewise = taps.step_needs_taps(self, scheduler_output.num_scheduled_tokens)
+        _graph_mode = taps.step_graph_mode(self, scheduler_output.num_scheduled_tokens)
         try:
             return original(self, scheduler_output, *args, **kwargs)
         finally:
             self.__dict__[_SO] = None
-            _force_piecewise = False
+            _graph_mode = None
 
     return execute_model
 
@@ -67,20 +62,14 @@ def _prepare_inputs(original: Callable) -> Callable:
     def prepare_inputs(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         batch = original(self, scheduler_output, *args, **kwargs)
         inter = self.__dict__.get(_ATTR)
-        if self.__dict__.get(_SO) is None or inter is None or not inter.sessions:
+        if self.__dict__.get(_SO) is None or inter is None or not (inter.sessions or inter.results):
             return batch
         spans: dict[str, tuple[int, int]] = {}
         rows: dict[str, int] = {}
         for row, (req_id, start, end, computed, prefill_len, _) in enumerate(compat.v2_batch(self, batch)):
             spans[req_id], rows[req_id] = (start, end), row
             if req_id in inter.sessions and computed < prefill_len and (computed > 0 or end < start + prefill_len):
-                inter.fail_request(
-                    req_id,
-                    f"the prompt ({prefill_len} tokens) was not computed in one engine step "
-                    f"({computed} cached, {end - start} scheduled): chunked prefill split it. "
-                    "Traced requests need the whole prompt in one step: raise "
-                    "max_num_batched_tokens or shorten the prompt",
-                )
+                inter.prompt_split(req_id, prefill_len, computed, end - start)
         self.__dict__[_BATCH] = batch
         inter.begin_step(StepLayout(spans, rows, compat.v2_padded_tokens(batch)))
         return batch
@@ -135,8 +124,14 @@ def _sample_tokens(original: Callable) -> Callable:
 def _dispatch(original: Callable) -> Callable:
     def dispatch(manager: Any, num_reqs: int, num_tokens: int, uniform_token_count: Any,
                  *args: Any, **kwargs: Any) -> Any:
-        if _force_piecewise:  # a full graph would skip the tap op: piecewise (or eager) instead
-            uniform_token_count = None
+        if _graph_mode is None:
+            return original(manager, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+        # a full graph would skip the tap op: piecewise (the op runs between pieces) or eager
+        if _graph_mode == "piecewise":
+            out = original(manager, num_reqs, num_tokens, None, *args, **kwargs)
+            if not compat.v2_desc_is_full(out[0]):
+                return out
+        kwargs["need_eager"] = True
         return original(manager, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
 
     return dispatch

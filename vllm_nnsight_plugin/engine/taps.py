@@ -19,6 +19,7 @@ ending in ``.output`` or ``.input`` (both when absent):
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 from ..payload.tapset import TapSet, from_settings
 
 OP_NAME = "nnsight::tap"
-__all__ = ["TapSet", "from_settings", "install", "on_model_loaded", "step_needs_taps"]
+__all__ = ["TapSet", "from_settings", "install", "on_model_loaded", "step_graph_mode"]
 
 _handler: Callable[[str, list[torch.Tensor]], None] | None = None
 
@@ -42,7 +43,10 @@ def _tap(xs: list[torch.Tensor], site: str) -> None:
     """Hand the live tensors of a location to the interleaver (which may edit them
     in place). Opaque to the compiler: vLLM splits its graph here."""
     if _handler is not None:
-        _handler(site, xs)
+        try:
+            _handler(site, xs)
+        except Exception:  # noqa: BLE001 - never break vLLM's forward; parked blocks then fail as unreached
+            logging.getLogger("vllm_nnsight_plugin").exception("tap %s failed", site)
 
 
 def _tap_fake(xs: list[torch.Tensor], site: str) -> None:
@@ -128,8 +132,6 @@ def _input_hook(path: str) -> Callable:
 def on_model_loaded(runner: Any) -> None:
     """Runner ``load_model`` epilogue: on a compiled engine with taps declared, put
     the tap op into the model and make vLLM split its graph there."""
-    import logging
-
     from . import compat
 
     log = logging.getLogger("vllm_nnsight_plugin")
@@ -138,9 +140,13 @@ def on_model_loaded(runner: Any) -> None:
     if not tapset or compat.runs_eager(config):
         return
     model = compat.runner_model(runner)
-    if not compat.add_splitting_op(config, OP_NAME):
+    split = compat.add_splitting_op(config, OP_NAME)
+    if not split:
         log.warning("taps: this engine compiles the model as one graph (no split points); "
                     "tapped steps run without CUDA graphs")
+    # how a step whose blocks may touch a tap must run: piecewise graphs (the op runs
+    # between pieces) where the graph is split at it, else without graphs
+    runner.__dict__["_nnsight_tap_mode"] = "piecewise" if split else "eager"
     sites = install(model, tapset)
     if not sites:
         log.error("taps %s match no module of %s", tapset.describe(), type(model).__name__)
@@ -149,7 +155,10 @@ def on_model_loaded(runner: Any) -> None:
     log.info("taps: %d locations (%s)", len(sites), tapset.describe())
 
 
-def step_needs_taps(runner: Any, req_ids: Iterable[str]) -> bool:
-    """Whether this step must run the tap op (a parked block may touch a tap)."""
+def step_graph_mode(runner: Any, req_ids: Iterable[str]) -> str | None:
+    """None (vLLM's own choice), or "piecewise"/"eager" when a parked block of this
+    step may touch a tap: the tap op must run, so no full CUDA graph."""
     inter = runner.__dict__.get("_nnsight_interleaver")
-    return bool(runner.__dict__.get("_nnsight_tap_sites")) and inter is not None and inter.needs_python(req_ids)
+    if not runner.__dict__.get("_nnsight_tap_sites") or inter is None or not inter.needs_python(req_ids):
+        return None
+    return runner.__dict__.get("_nnsight_tap_mode", "eager")
