@@ -498,7 +498,7 @@ class Interleaver:
         a block may read ``model.logits`` after touching ``model.samples``."""
         layout = self.layout
         for req_id, row in layout.rows.items():
-            if self.active(req_id):
+            if any(s.active and not s.batched for s in self.sessions.get(req_id, ())):
                 layout.logits[req_id] = logits[row : row + 1].clone()
 
     def late_value(self, session: RequestSession, wait: Wait) -> Any:
@@ -524,11 +524,17 @@ class Interleaver:
         waiting = self.waiters.get(key)
         if layout is None or not waiting:
             return
-        for session in list(waiting):
+        # a fresh list: blocks served here may park on this key again (a later step), and
+        # removing served sessions one by one from a list of hundreds is quadratic
+        keep: list[RequestSession] = []
+        self.waiters[key] = keep
+        for session in waiting:
             wait = session.wait
-            if wait is None or wait.step != session.step or session.req_id not in layout.spans:
+            if wait is None or wait.key != key:
+                continue  # no longer parked here
+            if wait.step != session.step or session.req_id not in layout.spans:
+                keep.append(session)
                 continue
-            waiting.remove(session)
             if row_based:
                 row = layout.rows[session.req_id]
                 view = value[row : row + 1] if key == ("logits",) else value[row]
