@@ -183,14 +183,6 @@ def v2_desc_is_full(batch_desc: Any) -> bool:
 # ----------------------------------------------------------------- runner (V1)
 
 
-def new_requests(scheduler_output: Any) -> list[tuple[str, dict | None]]:
-    out = []
-    for new in scheduler_output.scheduled_new_reqs:
-        params = new.sampling_params
-        out.append((new.req_id, getattr(params, "extra_args", None) if params is not None else None))
-    return out
-
-
 def new_requests_with_params(scheduler_output: Any) -> list[tuple[str, dict | None, Any]]:
     """``(req_id, extra_args, SamplingParams)`` of the step's new requests."""
     out = []

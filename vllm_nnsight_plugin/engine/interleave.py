@@ -115,6 +115,11 @@ class Interleaver:
         self.batched = batched.BatchedEdits(self)
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
+        # requests whose state the scheduler needs every step (stop strings end them in the
+        # front end; streams ship each step); others report only when something changed
+        self.report_every_step: set[str] = set()
+        self._reported: dict[str, tuple] = {}
+        self._ancestor_cache: dict[int, list[torch.nn.Module]] = {}
         self.edits: dict[str, tuple[str | None, dict[str, Any]]] = {}  # engine-wide: id -> (name, payload)
         self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
         self.hooks: dict[tuple, Any] = {}
@@ -125,7 +130,7 @@ class Interleaver:
         self._ranks: dict[str, int] | None = None
 
     # ------------------------------------------------------------ admission
-    def admit(self, req_id: str, extra_args: dict[str, Any] | None) -> None:
+    def admit(self, req_id: str, extra_args: dict[str, Any] | None, params: Any = None) -> None:
         """Blocks for a new request: the installed edits it selects, then its own."""
         if req_id in self.traced:  # V2 re-sends a resumed request as new: never restart its blocks
             return
@@ -140,6 +145,8 @@ class Interleaver:
         if blocks:
             self.sessions[req_id] = blocks
             self.traced.add(req_id)
+            if extra.get(compat.STREAM_KEY) or getattr(params, "stop", None) or params is None:
+                self.report_every_step.add(req_id)
             if any(b.error for b in blocks):
                 self._record(req_id)
 
@@ -242,6 +249,8 @@ class Interleaver:
                 session.close()
             self.results.pop(req_id, None)
             self.traced.discard(req_id)
+            self.report_every_step.discard(req_id)
+            self._reported.pop(req_id, None)
 
     def fail_request(self, req_id: str, message: str) -> None:
         blocks = [s for s in self.sessions.get(req_id, ()) if s.active]
@@ -346,7 +355,6 @@ class Interleaver:
     def _record(self, req_id: str) -> None:
         """Merge the request's blocks into its step results (its own block's names win)."""
         blocks = self.sessions.get(req_id, ())
-        entry = self.results.setdefault(req_id, {})
         fresh = False
         changed: list[str] = []
         for session in blocks:
@@ -367,6 +375,16 @@ class Interleaver:
                 changed += session.changed
                 fresh = True
             session.final = not session.active
+        error = next((s.error for s in blocks if s.error is not None), None)
+        done = all(s.done for s in blocks)
+        stop = any(s.stopped for s in blocks)
+        warnings = [w for s in blocks for w in s.warnings]
+        state = (error is not None, done, stop, len(warnings))
+        if not fresh and req_id not in self.report_every_step and self._reported.get(req_id) == state \
+                and req_id not in self.results:
+            return  # nothing new for the scheduler this step
+        self._reported[req_id] = state
+        entry = self.results.setdefault(req_id, {})
         if fresh:
             merged: dict[str, Any] = {}
             for session in blocks:
@@ -374,11 +392,10 @@ class Interleaver:
             entry["saves"] = merged
             entry["changed"] = changed
             entry["step"] = max((s.step for s in blocks), default=1) - 1
-        entry["error"] = next((s.error for s in blocks if s.error is not None), None)
-        entry["done"] = all(s.done for s in blocks)
-        entry["stop"] = any(s.stopped for s in blocks)
+        entry["error"] = error
+        entry["done"] = done
+        entry["stop"] = stop
         entry["pending"] = next((p for p in (s.pending() for s in blocks) if p), None)
-        warnings = [w for s in blocks for w in s.warnings]
         if warnings:
             entry["warnings"] = warnings
 
@@ -431,6 +448,9 @@ class Interleaver:
             self.hooks[key] = self._install(module, kind)
 
     def _ancestors(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        cached = self._ancestor_cache.get(id(module))
+        if cached is not None:
+            return cached
         if self._parents is None:
             self._parents = {
                 id(child): parent for parent in self.model.modules() for child in parent.children()
@@ -440,6 +460,7 @@ class Interleaver:
         while parent is not None:
             out.append(parent)
             parent = self._parents.get(id(parent))
+        self._ancestor_cache[id(module)] = out
         return out
 
     def _unwait(self, session: RequestSession) -> None:
@@ -528,6 +549,7 @@ class Interleaver:
         # removing served sessions one by one from a list of hundreds is quadratic
         keep: list[RequestSession] = []
         self.waiters[key] = keep
+        shared = not row_based and len(layout.spans) > 1 and not _per_token(value, layout.num_tokens)
         for session in waiting:
             wait = session.wait
             if wait is None or wait.key != key:
@@ -541,14 +563,12 @@ class Interleaver:
             else:
                 start, end = layout.spans[session.req_id]
                 view = narrow(value, start, end, layout.num_tokens)
-            where = wait.describe()
-            shared = not row_based and len(layout.spans) > 1 and not _per_token(value, layout.num_tokens)
 
-            def assign(new: Any, view: Any = view, where: str = where, shared: bool = shared) -> None:
+            def assign(new: Any, view: Any = view, wait: Wait = wait) -> None:
                 if shared:
-                    raise ValueError(f"{where} is not per-token (no row per token of the batch): it is "
-                                     "shared by every request in the step and cannot be assigned per request")
-                assign_into(view, new, where)
+                    raise ValueError(f"{wait.describe()} is not per-token (no row per token of the batch): it "
+                                     "is shared by every request in the step and cannot be assigned per request")
+                assign_into(view, new, wait.describe())
 
             if wait.value is not _NOTHING:
                 try:

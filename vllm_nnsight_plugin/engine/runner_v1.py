@@ -55,14 +55,14 @@ def _wrap_compute_logits(model: Any, inter: Interleaver) -> None:
 
 def _execute_model(original: Callable) -> Callable:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        new = compat.new_requests(scheduler_output)
-        traced = [(rid, xa) for rid, xa in new if xa and "nnsight" in xa]
+        new = compat.new_requests_with_params(scheduler_output)
+        traced = [r for r in new if r[1] and "nnsight" in r[1]]
         inter = interleaver_of(self, create=bool(traced))
         if inter is None:
             return original(self, scheduler_output, *args, **kwargs)
         inter.finish(compat.finished_ids(scheduler_output))
-        for req_id, extra_args in new if inter.edits else traced:  # edits reach every request
-            inter.admit(req_id, extra_args)
+        for req_id, extra_args, params in new if inter.edits else traced:  # edits reach every request
+            inter.admit(req_id, extra_args, params)
         for req_id in compat.resumed_ids(scheduler_output):
             inter.preempted(req_id)
         if not inter.sessions and not inter.results:  # (results: an error for a recomputed request)

@@ -42,7 +42,7 @@ def _execute_model(original: Callable) -> Callable:
         for req_id in compat.preempted_ids(scheduler_output):
             inter.preempted(req_id)  # V2 drops its state and later re-sends it as new
         for req_id, extra_args, sampling in new if inter.edits else traced:
-            inter.admit(req_id, extra_args)
+            inter.admit(req_id, extra_args, sampling)
             if req_id in inter.sessions:
                 params[req_id] = sampling
         if not inter.sessions and not inter.results:  # (results: an error for a recomputed request)

@@ -281,6 +281,9 @@ class RequestSession:
         Saved lists and dicts can grow without a new ``.save()``; they are shipped
         when something was saved this step and once more when the block is over.
         """
+        finished = self.done or self.ended or self.error is not None
+        if not self._dirty and not finished:
+            return None  # nothing saved since the last snapshot (names are re-read at the end)
         saved = self._saved
         current = {
             name: value
@@ -288,7 +291,6 @@ class RequestSession:
             if saved.get(id(value)) is value and not name.startswith("__")
         }
         ids = {name: id(v) for name, v in current.items()}
-        finished = self.done or self.ended or self.error is not None
         containers = finished and any(isinstance(v, (list, dict)) for v in current.values())
         if ids == self._shipped and not self._dirty and not containers:
             return None
