@@ -49,7 +49,9 @@ def test_steering_specs_qualify_for_the_batched_path():
     assert batched.eligible(json.loads(_spec(VEC_A)))
     once = {"op": "add", "module": "m", "value": [1], "steps": "prefill"}
     assert not batched.eligible({"kind": "spec", "ops": [once]})
-    assert not batched.eligible({"kind": "spec", "ops": [{"op": "read", "name": "h", "module": "m", "steps": "all"}]})
+    assert batched.eligible({"kind": "spec", "ops": [{"op": "read", "name": "h", "module": "m", "steps": "all"}]})
+    last_row = {"op": "read", "name": "h", "module": "m", "steps": "all", "positions": [-1]}
+    assert not batched.eligible({"kind": "spec", "ops": [last_row]})  # per-position: a block
 
 
 def test_batched_steering_equals_the_same_steering_as_a_block(llama):
@@ -192,3 +194,29 @@ def test_an_exception_in_the_tap_handler_never_breaks_the_forward():
         taps._tap([torch.zeros(2)], "model.layers.0|output|T")  # logged, not raised
     finally:
         taps.set_handler(None)
+
+
+def test_batched_reads_at_every_step_equal_hugging_face(llama, hf_llama):
+    """Whole-row reads run batched too: one copy of the location per step for every
+    request, each request getting its own rows, prefill then one row per token."""
+    from conftest import assert_close
+
+    spec = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "read", "name": "hidden", "module": "model.layers.1", "index": 0, "steps": "all"},
+        {"op": "read", "name": "residual", "module": "model.layers.1", "index": 1, "steps": "all"},
+        {"op": "read", "name": "first", "module": "model.layers.1", "index": 0},
+    ]})
+    assert batched.eligible(json.loads(spec))
+    prompts = PROMPTS[:4]
+    outs = llama.vllm_entrypoint.generate(prompts, [_params(spec)] * 4, use_tqdm=False)
+    for out in outs:
+        saves = results(out)
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            ref = hf_llama(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0]
+        n = len(out.prompt_token_ids)
+        assert len(saves["hidden"]) == 5  # prefill + 4 generated steps that ran a forward
+        assert_close(saves["hidden"][0] + saves["residual"][0], ref[:n])
+        for k in range(1, 5):
+            assert_close(saves["hidden"][k] + saves["residual"][k], ref[n - 1 + k : n + k])
+        torch.testing.assert_close(saves["first"], saves["hidden"][0])

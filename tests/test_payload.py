@@ -40,6 +40,19 @@ def test_tensor_format_decodes_with_numpy_alone():
     assert np.array_equal(arr, t.numpy())
 
 
+def test_a_list_of_tensors_travels_as_one_buffer():
+    rows = [torch.randn(3, 4).to(torch.bfloat16), torch.randn(1, 4).to(torch.bfloat16),
+            torch.empty(0, 4, dtype=torch.bfloat16)]
+    enc = values.encode(rows)
+    assert list(enc) == ["$tensors"] and enc["$tensors"]["shapes"] == [[3, 4], [1, 4], [0, 4]]
+    back = values.decode(json.loads(json.dumps(enc)))
+    assert all(torch.equal(a, b) for a, b in zip(rows, back)) and len(back) == 3
+    mixed = values.decode(values.encode([torch.ones(2), torch.ones(2, dtype=torch.int64)]))
+    assert [t.dtype for t in mixed] == [torch.float32, torch.int64]  # mixed dtypes: a plain list
+    with pytest.raises(ValueError):
+        values.decode({"$tensors": {"dtype": "float32", "shapes": [[4]], "data": "AAAA"}})
+
+
 def test_unsupported_and_malformed_values():
     with pytest.raises(TypeError, match="object"):
         values.encode(object())

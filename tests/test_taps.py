@@ -162,3 +162,17 @@ def test_batched_spec_steering_at_a_tap_equals_the_block(tapped):
         for step_s, step_b in zip(lps_s, lps_b):
             assert step_s.keys() == step_b.keys()
             assert all(abs(step_s[t] - step_b[t]) <= 1e-5 for t in step_s)
+
+
+def test_engine_wide_edits_at_taps(tapped):
+    with pytest.raises(ValueError, match="not tapped"):  # refused at install, not per request
+        with tapped.edit() as (tracer, edit):
+            tapped.model.layers[1].self_attn.output.save()
+    with tapped.edit(name="probe") as (tracer, edit):
+        probe = tapped.model.layers[2].output[0].clone().save()  # noqa: F841 - saved per request
+    try:
+        outs = tapped.generate(["The capital of Japan is", "Hello world!"], max_tokens=2, temperature=0.0)
+        for out in outs:
+            assert out.saves["probe"].shape[0] == len(out.prompt_token_ids)
+    finally:
+        edit.clear()

@@ -59,7 +59,14 @@ def steer(model, tracer):
 TAPS = ["model.layers.8.output"]
 STEER_SPEC = json.dumps({"v": 1, "kind": "spec", "ops": [
     {"op": "add", "module": "model.layers.8", "index": 0, "value": [0.01] * 2048, "steps": "all"}]})
-CAPTURES = ["plain", "prefill", "every_token"]
+
+
+def read_spec(steps: str) -> str:
+    """Rows 3/4 as a declarative spec (runs batched): both halves of the residual stream."""
+    return json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "read", "name": "hidden", "module": "model.layers.8", "index": 0, "steps": steps},
+        {"op": "read", "name": "residual", "module": "model.layers.8", "index": 1, "steps": steps}]})
+CAPTURES = ["plain", "prefill", "every_token", "prefill_spec", "every_token_spec"]
 VARIANTS = {
     # name: (plugin on, V1 runner, enforce_eager, workloads, taps)
     "stock_graphs": (False, False, False, ["plain"], False),
@@ -100,8 +107,10 @@ def child(variant: str, reps: int, only: list[str]) -> None:
     sps = {"plain": params(), "prefill": params(prefill_capture), "every_token": params(every_token_capture),
            "steer": params(steer)}
     # the same steering as a declarative spec: runs batched (one add for all requests), no block
-    sps["steer_spec"] = SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
-                                       detokenize=False, extra_args={"nnsight": STEER_SPEC})
+    for name, spec in (("steer_spec", STEER_SPEC), ("prefill_spec", read_spec("prefill")),
+                       ("every_token_spec", read_spec("all"))):
+        sps[name] = SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
+                                   detokenize=False, extra_args={"nnsight": spec})
     for name in workloads:  # warm-up at full batch size (first full batch compiles kernels)
         llm.generate(prompts, sps[name], use_tqdm=False)
     times: dict[str, list[float]] = {w: [] for w in workloads}
@@ -110,6 +119,10 @@ def child(variant: str, reps: int, only: list[str]) -> None:
             t = time.time()
             outs = llm.generate(prompts, sps[name], use_tqdm=False)
             times[name].append(time.time() - t)
+            if name == "prefill_spec":
+                assert results(outs[0])["hidden"].shape[0] == PLEN
+            if name == "every_token_spec":
+                assert len(results(outs[0])["hidden"]) == OLEN
             if name in ("prefill", "every_token"):
                 stream = results(outs[0])["stream"]
                 assert (stream.shape[0] == PLEN) if name == "prefill" else (len(stream) == OLEN)

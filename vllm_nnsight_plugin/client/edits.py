@@ -126,6 +126,8 @@ class EditContext(_Capturing):
         from ..engine import edits as registry
 
         block, values = self._block
+        model = self.model  # an access no tap serves fails here, not in every later request
+        model._check_block(block, values, model._tree, None if model.llm_kwargs.get("enforce_eager") else model.taps)
         payload = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
         registry.add(self.handle.id, self.handle.name)  # before the RPC: no request slips past
         return (self.handle.id, self.handle.name, payload)

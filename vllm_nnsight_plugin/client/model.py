@@ -261,16 +261,20 @@ class VLLM(Envoy):
                      taps: Any = "local") -> None:
         """Wrong module paths, and accesses no tap serves on a compiled engine, fail
         here, before anything is sent."""
-        from .paths import check_paths, check_taps
-
         if taps == "local":  # this client's own engine: compiled unless enforce_eager
             taps = None if self.llm_kwargs.get("enforce_eager") else self.taps
         for inv in invokes:
-            roots = {name for name, value in inv.values.items() if value is self}
-            if tree:
-                check_paths(inv.block.statements, roots, tree, inv.block.filename)
-            if taps is not None:
-                check_taps(inv.block.statements, roots, taps, inv.block.filename)
+            self._check_block(inv.block, inv.values, tree, taps)
+
+    def _check_block(self, block: Any, values: dict[str, Any], tree: dict[str, str] | None,
+                     taps: TapSet | None) -> None:
+        from .paths import check_paths, check_taps
+
+        roots = {name for name, value in values.items() if value is self}
+        if tree:
+            check_paths(block.statements, roots, tree, block.filename)
+        if taps is not None:
+            check_taps(block.statements, roots, taps, block.filename)
 
     def _payload(self, inv: Invoke) -> str:
         return codec.encode_code(

@@ -1,13 +1,16 @@
-"""Batched edits: declarative every-step edits applied for many requests at once.
+"""Batched specs: declarative edits and reads applied for many requests at once.
 
 A spec whose operations are all edits (``add``/``scale``/``zero``/``set``) of
 whole rows at every step (``"steps": "all"``, no ``positions``) - a steering
-vector, an ablation - needs no block of its own: it is a fixed function of the
-request's rows. Such requests skip the greenlet; at each location the edit is
+vector, an ablation - or whole-row reads (``read`` at ``prefill``, ``generated``
+or ``all`` steps) needs no block of its own: it is a fixed function of the
+request's rows. Such requests skip the greenlet; at each location an edit is
 applied once per distinct operation over the rows of every request that sent
 it (one kernel for a batch of 256 steered requests instead of 256 block
-switches). Identical payload texts share one parsed spec (the codec caches
-them), so their operations are the same objects and group by identity.
+switches), and a read copies the location once per step, each request keeping
+a view of its rows (moved to the host with the rest of its saves when it ends).
+Identical payload texts share one parsed spec (the codec caches them), so their
+operations are the same objects and group by identity.
 Results, errors and the request lifecycle still go through the request's
 :class:`~.session.RequestSession`.
 """
@@ -27,13 +30,25 @@ if TYPE_CHECKING:
     from .session import RequestSession
 
 EDIT_OPS = ("add", "scale", "zero", "set")
+READ_STEPS = ("prefill", "generated", "all")
+
+
+def _batchable(op: dict[str, Any]) -> bool:
+    if op.get("positions") is not None:
+        return False
+    if op["op"] in EDIT_OPS:
+        return op.get("steps") == "all"
+    return op["op"] == "read" and op.get("steps", "prefill") in READ_STEPS
 
 
 def eligible(env: dict[str, Any]) -> bool:
-    """Whether a spec can run batched (every op an all-steps, all-rows edit)."""
-    return env.get("kind") == "spec" and all(
-        op["op"] in EDIT_OPS and op.get("steps") == "all" and op.get("positions") is None for op in env["ops"]
-    )
+    """Whether a spec can run batched (every op a whole-row edit at every step or a
+    whole-row read)."""
+    return env.get("kind") == "spec" and all(_batchable(op) for op in env["ops"])
+
+
+def reads(env: dict[str, Any]) -> bool:
+    return any(op["op"] == "read" for op in env["ops"])
 
 
 @dataclass
@@ -56,6 +71,9 @@ class BatchedEdits:
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
         """Register a request's ops (applied in block then spec order per location)."""
         entries = []
+        for op in env["ops"]:
+            if op["op"] == "read" and op.get("steps", "prefill") != "prefill":
+                session.namespace[op["name"]] = session.save([])  # one row block per step
         for number, op in enumerate(env["ops"]):
             envoy = self.inter.envoy_at(op["module"])
             kind = op.get("io", "output")
@@ -84,7 +102,7 @@ class BatchedEdits:
         for entry in self.at.get(key, ()):
             session = entry.session
             span = layout.spans.get(session.req_id)
-            if span is None or not session.active:
+            if span is None or not session.active or not _due(entry.op, session.step):
                 continue
             # one group per (block, op, identical op): a request's own order is kept
             gkey = (entry.block, entry.number, id(entry.op))
@@ -96,6 +114,9 @@ class BatchedEdits:
         for gkey in sorted(groups):
             entry, spans, sessions = groups[gkey]
             try:
+                if entry.op["op"] == "read":
+                    self._read(entry.op, value, spans, sessions, layout.num_tokens)
+                    continue
                 self._apply_one(entry.op, value, spans, layout.num_tokens)
             except Exception as exc:  # noqa: BLE001 - a bad edit ends the requests that sent it
                 where = f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']})"
@@ -119,17 +140,35 @@ class BatchedEdits:
                     )
         self.served.clear()
 
+    def _read(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]],
+              sessions: list[RequestSession], num_tokens: int) -> None:
+        """One copy of the location's rows this step; each request keeps a view of its own."""
+        last = max(end for _, end in spans)
+        if op.get("index") is None and isinstance(value, (tuple, list)):  # e.g. (hidden, residual)
+            parts = [_per_token_tensor({}, v, num_tokens)[:last].clone() if v is not None else None
+                     for v in value]
+            kind = type(value)
+
+            def cut(start: int, end: int) -> Any:
+                return kind(p[start:end] if p is not None else None for p in parts)
+        else:
+            rows = _per_token_tensor(op, value, num_tokens)[:last].clone()
+
+            def cut(start: int, end: int) -> Any:
+                return rows[start:end]
+        name = op["name"]
+        for (start, end), session in zip(spans, sessions):
+            view = cut(start, end)
+            if op.get("steps", "prefill") == "prefill":
+                session._saved[id(view)] = view
+                session._fresh.add(id(view))
+                session._dirty = True
+                session.namespace[name] = view
+            else:
+                session.namespace[name].append(view)  # shipped when the request ends
+
     def _apply_one(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]], num_tokens: int) -> None:
-        index = op.get("index")
-        if index is not None:
-            if not isinstance(value, (tuple, list)):
-                raise TypeError(f"index {index} given, but the value is a {type(value).__name__}, not a tuple")
-            value = value[index]
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"the value is a {type(value).__name__}: set 'index'")
-        if value.dim() == 0 or value.shape[0] != num_tokens:
-            raise ValueError(f"the value (shape {tuple(value.shape)}) has no row per token of the batch "
-                             f"({num_tokens}): it cannot be edited per request")
+        value = _per_token_tensor(op, value, num_tokens)
         spans.sort()
         start, end = spans[0][0], spans[-1][1]
         if sum(e - s for s, e in spans) == end - start:  # contiguous rows: one view
@@ -163,3 +202,22 @@ class BatchedEdits:
                                  "to every row of the request")
             cached = self._values[key] = (op, value)
         return cached[1]
+
+
+def _due(op: dict[str, Any], step: int) -> bool:
+    steps = op.get("steps", "prefill")
+    return steps == "all" or (steps == "prefill") == (step == 0)
+
+
+def _per_token_tensor(op: dict[str, Any], value: Any, num_tokens: int) -> torch.Tensor:
+    index = op.get("index")
+    if index is not None:
+        if not isinstance(value, (tuple, list)):
+            raise TypeError(f"index {index} given, but the value is a {type(value).__name__}, not a tuple")
+        value = value[index]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"the value is a {type(value).__name__}: set 'index'")
+    if value.dim() == 0 or value.shape[0] != num_tokens:
+        raise ValueError(f"the value (shape {tuple(value.shape)}) has no row per token of the batch "
+                         f"({num_tokens}): it cannot be split per request")
+    return value

@@ -198,6 +198,7 @@ class Interleaver:
         if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
             self.batched.add(session, env, batch_index)
             session.batched = True
+            session.batched_reads = batched.reads(env)
             session.wait = Wait("step", 1 << 62)
             if self.eager:
                 for op in env["ops"]:
@@ -317,7 +318,8 @@ class Interleaver:
             blocks = self.sessions.get(req_id)
             if not blocks:
                 continue
-            if req_id not in finishing and all(s.batched and s.active and s.step > 0 for s in blocks):
+            if req_id not in finishing and req_id not in self.report_every_step \
+                    and all(s.batched and s.active and s.step > 0 for s in blocks):
                 for session in blocks:  # nothing to record until the request ends
                     session.step += 1
                 continue
@@ -349,8 +351,8 @@ class Interleaver:
 
     def between_steps(self, req_id: str) -> bool:
         """A block parked until a later step (``tracer.iter``/``tracer.all()``)."""
-        return any(s.active and not s.batched and s.wait is not None and s.wait.kind == "step"
-                   for s in self.sessions.get(req_id, ()))
+        return any(s.active and (s.batched_reads or not s.batched) and s.wait is not None
+                   and s.wait.kind == "step" for s in self.sessions.get(req_id, ()))
 
     def _record(self, req_id: str) -> None:
         """Merge the request's blocks into its step results (its own block's names win)."""

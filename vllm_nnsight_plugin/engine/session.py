@@ -128,7 +128,8 @@ class RequestSession:
     changed: list[str] = field(default_factory=list)  # names the last snapshot brought new values for
     last: dict[str, Any] = field(default_factory=dict)  # the last shipped saves (CPU)
     final: bool = False  # its last state has been recorded
-    batched: bool = False  # a batched edit spec: no greenlet, applied by the interleaver
+    batched: bool = False  # a batched spec: no greenlet, applied by the interleaver
+    batched_reads: bool = False  # ...that reads: its saves ship when the request ends
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _glet: greenlet.greenlet | None = None
 

@@ -13,6 +13,9 @@ instead:
   ``{"$float": "nan" | "inf" | "-inf"}``, ``{"$size": [...]}``,
   ``{"$dtype": "float32"}``, ``{"$result": [[op, arg], ...]}`` (a path into the
   finished request's ``RequestOutput``, resolved by the client).
+- A list of two or more tensors of one dtype (a value per step) is
+  ``{"$tensors": {"dtype", "shapes", "data"}}``: one base64 of the tensors' bytes
+  one after another, split by ``shapes``; it decodes to the list of tensors.
 
 numpy decode of a tensor, for clients without torch::
 
@@ -77,6 +80,37 @@ def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
     return buf.view(dtype).reshape(shape).clone()
 
 
+def _bytes(t: torch.Tensor) -> bytes:
+    if not t.numel():
+        return b""
+    if sys.byteorder != "little" and t.element_size() > 1:  # pragma: no cover
+        return t.numpy().byteswap().tobytes()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def encode_tensors(ts: list[torch.Tensor]) -> dict[str, Any]:
+    """Same-dtype tensors as one buffer: per-step rows cost one encode, not one each."""
+    name = _dtype_name(ts[0].dtype)
+    flat = torch.cat([t.detach().reshape(-1) for t in ts]).to("cpu").contiguous()
+    return {"dtype": name, "shapes": [list(t.shape) for t in ts], "data": base64.b64encode(_bytes(flat)).decode()}
+
+
+def decode_tensors(obj: dict[str, Any]) -> list[torch.Tensor]:
+    """Inverse of :func:`encode_tensors`."""
+    try:
+        shapes = [[int(d) for d in shape] for shape in obj["shapes"]]
+        whole = decode_tensor({"dtype": obj["dtype"], "shape": [sum(math.prod(s) for s in shapes)],
+                               "data": obj["data"]})
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"malformed tensor list: {exc}") from None
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(whole[offset : offset + n].reshape(shape))
+        offset += n
+    return out
+
+
 def encode(value: Any) -> Any:
     """A JSON-safe form of ``value`` (see module docstring)."""
     if value is None or isinstance(value, (bool, int, str)):
@@ -90,6 +124,9 @@ def encode(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return {"$dtype": _dtype_name(value)}
     if isinstance(value, list):
+        if len(value) > 1 and all(isinstance(v, torch.Tensor) for v in value) \
+                and len({v.dtype for v in value}) == 1:
+            return {"$tensors": encode_tensors(value)}
         return [encode(v) for v in value]
     if isinstance(value, tuple):
         return {"$tuple": [encode(v) for v in value]}
@@ -115,6 +152,8 @@ def decode(obj: Any, resolve_result: Any = None) -> Any:
     (tag, body), = obj.items()
     if tag == "$tensor":
         return decode_tensor(body)
+    if tag == "$tensors":
+        return decode_tensors(body)
     if tag == "$tuple":
         return tuple(decode(v, resolve_result) for v in body)
     if tag == "$dict":
