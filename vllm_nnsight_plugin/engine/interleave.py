@@ -38,6 +38,12 @@ class StepLayout:
     sampled_cpu: list | None = None
     logits_seen: bool = False
 
+    def sampled_token(self, req_id: str) -> int:
+        """This step's token for a request (one device-to-host copy per step, on demand)."""
+        if self.sampled_cpu is None:
+            self.sampled_cpu = self.sampled.reshape(len(self.rows), -1)[:, 0].tolist()
+        return int(self.sampled_cpu[self.rows[req_id]])
+
 
 def narrow(value: Any, start: int, end: int, num_tokens: int) -> Any:
     """The request's rows of a module value: views, so in-place edits land."""

@@ -104,17 +104,25 @@ def _model_forward(original: Callable) -> Callable:
     return model_forward
 
 
-def _sample(original: Callable) -> Callable:
-    def sample(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        inter = self.__dict__.get(_ATTR)
-        if inter is not None and inter.layout is not None:
-            inter.layout.sampled = out.sampled_token_ids
-            if inter.waiters.get(("samples",)):
-                inter.serve(("samples",), out.sampled_token_ids, row_based=True)
-        return out
+def sample_wrapper(sampled_ids: Callable[[Any], Any]) -> Callable[[Callable], Callable]:
+    """Wrap a runner's sampling method: ``model.samples`` is served (and may be edited)
+    in ``sampled_ids(result)``, the sampled token ids, before anything reads them."""
+    def make(original: Callable) -> Callable:
+        def sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            inter = self.__dict__.get(_ATTR)
+            if inter is not None and inter.layout is not None:
+                ids = inter.layout.sampled = sampled_ids(out)
+                if inter.waiters.get(("samples",)):
+                    inter.serve(("samples",), ids, row_based=True)
+            return out
 
-    return sample
+        return sample
+
+    return make
+
+
+_sample = sample_wrapper(lambda out: out.sampled_token_ids)
 
 
 def _sample_tokens(original: Callable) -> Callable:
@@ -123,15 +131,9 @@ def _sample_tokens(original: Callable) -> Callable:
         inter = self.__dict__.get(_ATTR)
         if inter is not None and inter.layout is not None:
             layout = inter.layout
-
-            def sampled(req_id: str) -> int:
-                if layout.sampled_cpu is None:  # one device->host copy per step, only if needed
-                    layout.sampled_cpu = layout.sampled.reshape(len(layout.rows), -1)[:, 0].tolist()
-                return int(layout.sampled_cpu[layout.rows[req_id]])
-
             finishing = {
                 r for r in layout.spans
-                if inter.between_steps(r) and compat.will_finish(self, r, lambda r=r: sampled(r))
+                if inter.between_steps(r) and compat.will_finish(self, r, lambda r=r: layout.sampled_token(r))
             }
             results = inter.end_step(finishing)
             if results:

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import compat, taps
 from .interleave import StepLayout
-from .runner_v1 import _ATTR, _SO, _load_model, interleaver_of
+from .runner_v1 import _ATTR, _SO, _load_model, interleaver_of, sample_wrapper
 
 _PARAMS = "_nnsight_params"  # req_id -> SamplingParams of traced requests
 _BATCH = "_nnsight_input_batch"  # this step's InputBatch, until sample_tokens
@@ -77,18 +77,7 @@ def _prepare_inputs(original: Callable) -> Callable:
     return prepare_inputs
 
 
-def _sample(original: Callable) -> Callable:
-    def sample(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        inter = self.__dict__.get(_ATTR)
-        if inter is not None and inter.layout is not None:
-            sampled = compat.v2_sampled(out)
-            inter.layout.sampled = sampled
-            if inter.waiters.get(("samples",)):
-                inter.serve(("samples",), sampled, row_based=True)
-        return out
-
-    return sample
+_sample = sample_wrapper(compat.v2_sampled)  # V2's sample() returns (SamplerOutput, ...)
 
 
 def _sample_tokens(original: Callable) -> Callable:
@@ -101,16 +90,11 @@ def _sample_tokens(original: Callable) -> Callable:
         layout = inter.layout
         params = self.__dict__.get(_PARAMS, {})
 
-        def sampled(req_id: str) -> int:
-            if layout.sampled_cpu is None:  # one device->host copy per step, only if needed
-                layout.sampled_cpu = layout.sampled.reshape(len(layout.rows), -1)[:, 0].tolist()
-            return int(layout.sampled_cpu[layout.rows[req_id]])
-
         finishing = set()
         for req_id, start, end, computed, prefill_len, prompt_len in compat.v2_batch(self, batch):
             if req_id in params and inter.between_steps(req_id) and compat.v2_will_finish(
                 self, params[req_id], computed + end - start, prefill_len, prompt_len,
-                lambda r=req_id: sampled(r),
+                lambda r=req_id: layout.sampled_token(r),
             ):
                 finishing.add(req_id)
         results = inter.end_step(finishing)
