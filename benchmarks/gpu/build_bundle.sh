@@ -34,4 +34,10 @@ rm -rf bin vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.
 python3 "$HERE/prune_fatbin.py" vllm/_C_stable_libtorch.abi3.so --keep 90 | tail -1
 cd "$W"; tar cf - site | xz -9 -T0 > "$DEST/vllm_site.tar.xz"
 cp "$HERE/stage.sh" "$DEST/stage.sh"
+# the anchor harness (row 6: nnsight 0.8.1's VLLM with taps, same run): ANCHORS=1
+if [ "${ANCHORS:-0}" = 1 ]; then
+  mkdir -p "$DEST/anchors"
+  $DL -d "$DEST/anchors" nnsight==0.8.1 greenlet==3.5.6 websocket-client==1.9.2 zstandard==0.25.0
+  cp "$HERE"/../../../shared/gpu/anchors/*.py "$HERE"/../../../shared/gpu/anchors/run_all.sh "$DEST/anchors/"
+fi
 ls -l "$DEST/vllm_site.tar.xz" "$DEST/extra"

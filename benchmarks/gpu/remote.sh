@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu/remote.sh tests      parity/taps tests on CUDA (NNSIGHT_GPU_TESTS picks files)
 #   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
 #   bash benchmarks/gpu/remote.sh profile [plain prefill every_token]
+#   bash benchmarks/gpu/remote.sh anchors     nnsight 0.8.1 taps (anchor harness) + stock graphs
 set -euo pipefail
 what="${1:?tests|headline}"; shift || true
 cd .whl && source stage.sh && cd ..
@@ -32,6 +33,9 @@ case "$what" in
       | tee "$OUT/tests-$NNSIGHT_TEST_EXPECT_RUNNER.log" | tail -40 ;;
   headline)
     python3 benchmarks/gpu/headline.py "$@" 2>&1 | tee "$OUT/headline.log" ;;
+  anchors)  # row 6 beside a stock-with-graphs reference (needs a bundle built with ANCHORS=1)
+    AB_STEPS="${AB_STEPS:-stock_graph nn_taps}" OUT="$OUT" bash .whl/anchors/run_all.sh 2>&1 \
+      | tee "$OUT/anchors.log" | tail -40 ;;
   profile)
     for w in "${@:-plain prefill every_token}"; do
       for x in $w; do python3 benchmarks/gpu/profile_capture.py "$x" > "$OUT/profile_$x.txt" 2>&1 || true; done
