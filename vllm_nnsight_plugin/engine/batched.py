@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .spec_runner import _tensor
+from .spec_runner import _tensor, pick_index
 
 if TYPE_CHECKING:
     from .interleave import Interleaver
@@ -81,9 +81,6 @@ class BatchedEdits:
             entries.append(((id(envoy._module), kind), Entry(session, op, number, block)))
         for key, entry in entries:  # all ops checked first: a refused spec registers nothing
             self.at[key].append(entry)
-
-    def keys(self) -> set[tuple]:
-        return set(self.at)
 
     def prune(self) -> None:
         """Drop entries of finished or failed requests."""
@@ -160,10 +157,7 @@ class BatchedEdits:
         for (start, end), session in zip(spans, sessions):
             view = cut(start, end)
             if op.get("steps", "prefill") == "prefill":
-                session._saved[id(view)] = view
-                session._fresh.add(id(view))
-                session._dirty = True
-                session.namespace[name] = view
+                session.namespace[name] = session.keep(view)
             else:
                 session.namespace[name].append(view)  # shipped when the request ends
 
@@ -210,11 +204,7 @@ def _due(op: dict[str, Any], step: int) -> bool:
 
 
 def _per_token_tensor(op: dict[str, Any], value: Any, num_tokens: int) -> torch.Tensor:
-    index = op.get("index")
-    if index is not None:
-        if not isinstance(value, (tuple, list)):
-            raise TypeError(f"index {index} given, but the value is a {type(value).__name__}, not a tuple")
-        value = value[index]
+    value = pick_index(value, op.get("index"))
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"the value is a {type(value).__name__}: set 'index'")
     if value.dim() == 0 or value.shape[0] != num_tokens:

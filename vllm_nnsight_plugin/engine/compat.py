@@ -224,19 +224,24 @@ def will_finish(runner: Any, req_id: str, sampled: Callable[[], int]) -> bool:
     state = runner.requests.get(req_id)
     if state is None or not state.output_token_ids:
         return False
-    params = state.sampling_params
     out = state.output_token_ids
+    prompt = len(state.prompt_token_ids or ())
+    return _stops(state.sampling_params, len(out), prompt + len(out), runner.max_model_len,
+                  lambda: out[-1] if out[-1] >= 0 else sampled())
+
+
+def _stops(params: Any, outputs: int, total: int, max_model_len: int, last: Callable[[], int]) -> bool:
+    """The scheduler's stop check for ``outputs`` tokens (``total`` with the prompt);
+    ``last()`` (the newest token) is read only when a stop token could match."""
     if params is None:
         return False
-    if params.max_tokens is not None and len(out) >= params.max_tokens:
+    if params.max_tokens is not None and outputs >= params.max_tokens:
         return True
-    prompt = len(state.prompt_token_ids or ())
-    if prompt + len(out) >= runner.max_model_len:
+    if total >= max_model_len:
         return True
-    if len(out) < (params.min_tokens or 0) or not params.all_stop_token_ids:
+    if outputs < (params.min_tokens or 0) or not params.all_stop_token_ids:
         return False  # no stop token to check: no device->host read (keeps async scheduling)
-    last = out[-1] if out[-1] >= 0 else sampled()
-    return last in params.all_stop_token_ids
+    return last() in params.all_stop_token_ids
 
 
 # ----------------------------------------------------------------- runner (V2)
@@ -275,16 +280,9 @@ def v2_sampled(sample_result: Any) -> Any:
 def v2_will_finish(runner: Any, params: Any, computed_after: int, prefill_len: int, prompt_len: int,
                    sampled: Callable[[], int]) -> bool:
     """As :func:`will_finish`, from V2's arrays (no per-request Python state there)."""
-    if params is None or computed_after < prefill_len:  # a prefill chunk samples nothing
+    if computed_after < prefill_len:  # a prefill chunk samples nothing
         return False
-    outputs = computed_after + 1 - prompt_len
-    if params.max_tokens is not None and outputs >= params.max_tokens:
-        return True
-    if computed_after + 1 >= runner.max_model_len:
-        return True
-    if outputs < (params.min_tokens or 0) or not params.all_stop_token_ids:
-        return False  # no stop token to check: no device->host read (keeps async scheduling)
-    return sampled() in params.all_stop_token_ids
+    return _stops(params, computed_after + 1 - prompt_len, computed_after + 1, runner.max_model_len, sampled)
 
 
 def runner_model(runner: Any) -> Any:

@@ -20,7 +20,7 @@ from ..payload import codec
 from . import batched, compat, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
-from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait
+from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait, engine_error
 from .tree import leaves, map_tensors
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -104,14 +104,14 @@ def measure(value: Any) -> tuple[int, int]:
 class Interleaver:
     """Worker-side state: sessions, waiters, hooks, the current step's layout."""
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any):
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, tap_sites: Any = ()):
         self.model = model
         self.eager = compat.runs_eager(vllm_config)
         settings = compat.additional_config(vllm_config)
         self.limits = limits(settings)
         self.taps = taps.from_settings(settings)
-        # (path, kind) pairs the tap op serves in this (compiled) model; set by the runner
-        self.tapped: set[tuple[str, str]] = set(getattr(model, "_nnsight_tap_sites", ()))
+        # (path, kind) pairs the tap op serves in this (compiled) model (taps.on_model_loaded)
+        self.tapped: set[tuple[str, str]] = set(tap_sites)
         self._tap_keys: dict[str, tuple[tuple, str]] = {}
         if self.tapped:
             taps.set_handler(self.on_tap)
@@ -121,6 +121,7 @@ class Interleaver:
         self.batched = batched.BatchedEdits(self)
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
+        self.params: dict[str, Any] = {}  # their SamplingParams (V2's runner keeps none)
         # requests whose state the scheduler needs every step (stop strings end them in the
         # front end; streams ship each step); others report only when something changed
         self.report_every_step: set[str] = set()
@@ -151,6 +152,7 @@ class Interleaver:
         if blocks:
             self.sessions[req_id] = blocks
             self.traced.add(req_id)
+            self.params[req_id] = params
             if extra.get(compat.STREAM_KEY) or getattr(params, "stop", None) or params is None:
                 self.report_every_step.add(req_id)
             if any(b.error for b in blocks):
@@ -256,6 +258,7 @@ class Interleaver:
                 session.close()
             self.results.pop(req_id, None)
             self.traced.discard(req_id)
+            self.params.pop(req_id, None)
             self.report_every_step.discard(req_id)
             self._reported.pop(req_id, None)
 
@@ -267,9 +270,7 @@ class Interleaver:
         if blocks:
             self._record(req_id)
         elif req_id in self.traced:  # its blocks are over, but what they edited would be lost
-            self.results.setdefault(req_id, {})["error"] = {
-                "type": "RuntimeError", "message": message, "lineno": None, "line": "",
-                "filename": "<engine>", "traceback": ""}
+            self.results.setdefault(req_id, {})["error"] = engine_error(message)
 
     def stateless(self, req_id: str) -> bool:
         """Only batched edits: a recompute or a split prompt gets them again, row by row."""
@@ -481,8 +482,7 @@ class Interleaver:
     def _prune_hooks(self) -> None:
         for key in [k for k, lst in self.waiters.items() if not lst]:
             del self.waiters[key]
-        keep = self.batched.keys()
-        for key in [k for k in self.hooks if k not in self.waiters and k not in keep]:
+        for key in [k for k in self.hooks if k not in self.waiters and k not in self.batched.at]:
             self.hooks.pop(key).remove()
 
     def _install(self, module: torch.nn.Module, kind: str) -> Any:

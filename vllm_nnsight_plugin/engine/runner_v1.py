@@ -30,7 +30,7 @@ def interleaver_of(runner: Any, create: bool = False) -> Interleaver | None:
     inter = runner.__dict__.get(_ATTR)
     if inter is None and create:
         model = compat.runner_model(runner)
-        inter = Interleaver(model, runner.vllm_config)
+        inter = Interleaver(model, runner.vllm_config, runner.__dict__.get(taps.SITES, ()))
         _wrap_compute_logits(model, inter)
         runner.__dict__[_ATTR] = inter
     return inter
@@ -150,7 +150,7 @@ def _load_model(original: Callable) -> Callable:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         taps.on_model_loaded(self)
-        if self.__dict__.get("_nnsight_tap_sites") and not compat.is_v2_runner(self):
+        if self.__dict__.get(taps.SITES) and not compat.is_v2_runner(self):
             compat.guard_v1_dispatcher(self, lambda: self.__dict__.get(_GRAPHS))
         return out
 

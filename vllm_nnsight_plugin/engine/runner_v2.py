@@ -6,7 +6,7 @@ uniform-decode steps replay a full CUDA graph without calling the model at all.
 So the step's layout is published from ``prepare_inputs`` (the batch order is
 final there, and it runs on every real step), and steps in which a block may
 touch a tap are dispatched off full graphs (``dispatch_cg_and_sync_dp``).
-V2 keeps no ``SamplingParams`` per request, so the adapter keeps them for the
+V2 keeps no ``SamplingParams`` per request; the interleaver keeps those of the
 requests it traces (the finish prediction needs them).
 """
 
@@ -19,7 +19,6 @@ from . import compat, taps
 from .interleave import StepLayout
 from .runner_v1 import _ATTR, _SO, _load_model, interleaver_of, sample_wrapper
 
-_PARAMS = "_nnsight_params"  # req_id -> SamplingParams of traced requests
 _BATCH = "_nnsight_input_batch"  # this step's InputBatch, until sample_tokens
 _graph_mode: str | None = None  # "piecewise"/"eager" per step (execute_model), read by the dispatch wrap
 
@@ -34,17 +33,11 @@ def _execute_model(original: Callable) -> Callable:
         inter = interleaver_of(self, create=bool(traced))
         if inter is None:
             return original(self, scheduler_output, *args, **kwargs)
-        params = self.__dict__.setdefault(_PARAMS, {})
-        finished = compat.finished_ids(scheduler_output)
-        inter.finish(finished)
-        for req_id in finished:
-            params.pop(req_id, None)
+        inter.finish(compat.finished_ids(scheduler_output))
         for req_id in compat.preempted_ids(scheduler_output):
             inter.preempted(req_id)  # V2 drops its state and later re-sends it as new
         for req_id, extra_args, sampling in new if inter.edits else traced:
             inter.admit(req_id, extra_args, sampling)
-            if req_id in inter.sessions:
-                params[req_id] = sampling
         if not inter.sessions and not inter.results:  # (results: an error for a recomputed request)
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
@@ -88,7 +81,7 @@ def _sample_tokens(original: Callable) -> Callable:
         if inter is None or inter.layout is None or batch is None:
             return out
         layout = inter.layout
-        params = self.__dict__.get(_PARAMS, {})
+        params = inter.params
 
         finishing = set()
         for req_id, start, end, computed, prefill_len, prompt_len in compat.v2_batch(self, batch):

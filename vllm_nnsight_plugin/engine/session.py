@@ -101,6 +101,13 @@ def copy_value(value: Any) -> Any:
     return map_tensors(value, lambda t: t.detach().clone())
 
 
+def engine_error(message: str, lineno: int | None = None, line: str = "",
+                 filename: str = "<engine>") -> dict[str, Any]:
+    """A request's error as the results carry it, for a failure the engine reports."""
+    return {"type": "RuntimeError", "message": message, "lineno": lineno, "line": line,
+            "filename": filename, "traceback": ""}
+
+
 @dataclass
 class RequestSession:
     """Worker-side state of one traced request."""
@@ -143,8 +150,7 @@ class RequestSession:
             return
         if isinstance(exc, str):
             lineno = lineno if lineno is not None else self._parked_line()
-            self.error = {"type": "RuntimeError", "message": exc, "lineno": lineno,
-                          "line": self._line(lineno), "filename": self.filename, "traceback": ""}
+            self.error = engine_error(exc, lineno, self._line(lineno), self.filename)
         else:
             frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == self.filename]
             last = frames[-1].lineno if frames else (lineno or self._parked_line())
@@ -252,11 +258,14 @@ class RequestSession:
         return self._glet.parent.switch()
 
     def save(self, value: Any) -> Any:
-        copy = copy_value(value)
-        self._saved[id(copy)] = copy
-        self._fresh.add(id(copy))
+        return self.keep(copy_value(value))
+
+    def keep(self, value: Any) -> Any:
+        """Save ``value`` itself: the caller made it private (a batched read's own copy)."""
+        self._saved[id(value)] = value
+        self._fresh.add(id(value))
         self._dirty = True
-        return copy
+        return value
 
     def end(self) -> None:
         """The request produced its last token: let a block waiting for another

@@ -41,15 +41,19 @@ def _rows(value: torch.Tensor, positions: list[int] | None) -> Any:
     return torch.tensor(rows, device=value.device)
 
 
+def pick_index(value: Any, index: int | None) -> Any:
+    """The op's ``index`` element of a tuple-valued location (the value itself if None)."""
+    if index is None:
+        return value
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"index {index} given, but the value is a {type(value).__name__}, not a tuple")
+    return value[index]
+
+
 def _location(inter: Interleaver, op: dict[str, Any]) -> Any:
     envoy = inter.envoy_at(op["module"])
     value = envoy.input if op.get("io", "output") == "input" else envoy.output
-    index = op.get("index")
-    if index is not None:
-        if not isinstance(value, (tuple, list)):
-            raise TypeError(f"index {index} given, but the value is a {type(value).__name__}, not a tuple")
-        value = value[index]
-    return value
+    return pick_index(value, op.get("index"))
 
 
 def _apply(inter: Interleaver, session: RequestSession, op: dict[str, Any], out: dict[str, Any]) -> None:

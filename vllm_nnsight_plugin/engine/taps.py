@@ -28,6 +28,7 @@ import torch
 from ..payload.tapset import TapSet, from_settings
 
 OP_NAME = "nnsight::tap"
+SITES = "_nnsight_tap_sites"  # runner attribute: the tapped (path, kind) pairs of its model
 __all__ = ["TapSet", "from_settings", "install", "on_model_loaded", "step_graph_mode"]
 
 _handler: Callable[[str, list[torch.Tensor]], None] | None = None
@@ -150,8 +151,7 @@ def on_model_loaded(runner: Any) -> None:
     sites = install(model, tapset)
     if not sites:
         log.error("taps %s match no module of %s", tapset.describe(), type(model).__name__)
-    model._nnsight_tap_sites = sites
-    runner.__dict__["_nnsight_tap_sites"] = sites
+    runner.__dict__[SITES] = sites
     log.info("taps: %d locations (%s)", len(sites), tapset.describe())
 
 
@@ -159,6 +159,6 @@ def step_graph_mode(runner: Any, req_ids: Iterable[str]) -> str | None:
     """None (vLLM's own choice), or "piecewise"/"eager" when a parked block of this
     step may touch a tap: the tap op must run, so no full CUDA graph."""
     inter = runner.__dict__.get("_nnsight_interleaver")
-    if not runner.__dict__.get("_nnsight_tap_sites") or inter is None or not inter.needs_python(req_ids):
+    if not runner.__dict__.get(SITES) or inter is None or not inter.needs_python(req_ids):
         return None
     return runner.__dict__.get("_nnsight_tap_mode", "eager")
