@@ -477,14 +477,19 @@ def test_sse_chunks_carry_each_steps_saves(spec_server, llama_path, hf_llama):
     carried = [c["kv_transfer_params"]["nnsight"] for c in chunks if c.get("kv_transfer_params")]
     assert carried[-1]["final"] is True and len(tagged.decode(carried[-1]["saves"]["top"])) == 4
     partial = carried[:-1]
-    assert [r["step"] for r in partial] == list(range(len(partial))) and len(partial) >= 3
+    # one record per chunk, steps increasing; a chunk may carry several steps' tokens when
+    # the client reads slower than the engine steps (vLLM merges the deltas; seen on the
+    # GPU), and its record then holds every step so far
+    steps = [r["step"] for r in partial]
+    assert partial and steps == sorted(set(steps))
     ids = _ids(llama_path, "Hello world")
     tokens = [t for c in chunks for ch in c["choices"] for t in (ch.get("token_ids") or [])]
-    for k, r in enumerate(partial):
+    for r in [*partial, carried[-1]]:
         top = tagged.decode(r["saves"]["top"])  # the spec's list so far: one entry per step
-        assert len(top) == k + 1
-        ref = HFRun(hf_llama, ids + tokens[:k]).logits()[-1]
-        assert_close(top[k]["values"], ref.topk(2).values)
+        assert len(top) == (r["step"] + 1 if not r.get("final") else 4)
+        for k, entry in enumerate(top):
+            ref = HFRun(hf_llama, ids + tokens[:k]).logits()[-1]
+            assert_close(entry["values"], ref.topk(2).values)
 
 
 def test_spec_input_read_zero_and_set_at_positions(spec_server, hf_llama):

@@ -5,16 +5,21 @@
 #   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
 #   bash benchmarks/gpu/remote.sh profile [plain prefill every_token]
 #   bash benchmarks/gpu/remote.sh anchors     nnsight 0.8.1 taps (anchor harness) + stock graphs
+#   bash benchmarks/gpu/remote.sh stage       only stage (then STAGED=1 for runs side by side)
 set -euo pipefail
 what="${1:?tests|headline}"; shift || true
+# STAGED=1: an earlier call staged /tmp/site already (runs side by side must not both install)
+[ "$what" = tests-staged ] && what=tests
 cd .whl && source stage.sh && cd ..
 export PYTHONPATH=/tmp/site          # not the repo root: the installed copy carries the entry point
+if [ -z "${STAGED:-}" ]; then
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/extra/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v WARNING || true
+fi
 python3 -c "import vllm, vllm_nnsight_plugin, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 case "$what" in
-  tests)
+  tests)  # (tests-both: V2 and V1 at once, one GPU each on a two-GPU machine)
     # several engines and servers share the GPU; the taps tests run vLLM's default
     # compilation (compiled, piecewise + full CUDA graphs). VLLM_USE_V2_MODEL_RUNNER picks
     # the runner (unset: vLLM's default, V2 for these models).
@@ -31,10 +36,27 @@ case "$what" in
     python3 -m pytest -q -p no:cacheprovider ${NNSIGHT_GPU_TESTS:-tests/test_parity_llama.py \
       tests/test_parity_gpt2.py tests/test_engine_isolation.py tests/test_gpu_bf16.py tests/test_taps.py} "$@" 2>&1 \
       | tee "$OUT/tests-$NNSIGHT_TEST_EXPECT_RUNNER.log" | tail -40 ;;
+  tests-both)
+    # V2 and V1 side by side: one GPU each when two are visible, else one after the other
+    ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    extra=("$@"); export STAGED=1
+    run_one() {  # $1 = value of VLLM_USE_V2_MODEL_RUNNER (1|0), $2 = GPU index
+      CUDA_VISIBLE_DEVICES=$2 VLLM_USE_V2_MODEL_RUNNER=$1 VLLM_CACHE_ROOT=/tmp/vllm-cache-$1 \
+        bash benchmarks/gpu/remote.sh tests-staged "${extra[@]}"; }
+    if [ "$ngpu" -ge 2 ]; then
+      run_one 1 0 > "$OUT/tests-v2.out" 2>&1 & run_one 0 1 > "$OUT/tests-v1.out" 2>&1 & wait
+    else
+      run_one 1 0 > "$OUT/tests-v2.out" 2>&1; run_one 0 0 > "$OUT/tests-v1.out" 2>&1
+    fi
+    tail -3 "$OUT"/tests-v*.out ;;
   headline)
     python3 benchmarks/gpu/headline.py "$@" 2>&1 | tee "$OUT/headline.log" ;;
   anchors)  # row 6 beside a stock-with-graphs reference (needs a bundle built with ANCHORS=1)
-    AB_STEPS="${AB_STEPS:-stock_graph nn_taps}" OUT="$OUT" bash .whl/anchors/run_all.sh 2>&1 \
+    # ANCHORS_GPU=i: the harness ends leftover GPU processes after each step; only on GPU i
+    # (another job may run on the other GPU)
+    sed "s/nvidia-smi --query-compute-apps/nvidia-smi ${ANCHORS_GPU:+--id=$ANCHORS_GPU} --query-compute-apps/" \
+      .whl/anchors/run_all.sh > /tmp/anchors_run_all.sh
+    AB_STEPS="${AB_STEPS:-stock_graph nn_taps}" OUT="$OUT" bash /tmp/anchors_run_all.sh 2>&1 \
       | tee "$OUT/anchors.log" | tail -40 ;;
   profile)
     for w in "${@:-plain prefill every_token}"; do

@@ -102,11 +102,29 @@ def _fire(name: str, module: Any) -> None:
         callback(module)
 
 
+def loaded(module_name: str) -> list[Any]:
+    """The imported copies of a module: the import itself and ``__main__`` when it runs
+    with ``python -m`` (vLLM 0.26's ``python -m vllm.entrypoints.openai.api_server``
+    builds its app in the ``__main__`` copy)."""
+    copies = [sys.modules[module_name]] if module_name in sys.modules else []
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) == module_name:
+        copies.append(main)
+    return copies
+
+
+def module_name_of(module: Any) -> str:
+    """A module's import name, also for a module run with ``python -m``."""
+    return getattr(getattr(module, "__spec__", None), "name", None) or module.__name__
+
+
 def when_imported(module_name: str, callback: Callable[[Any], None]) -> None:
-    """Call ``callback(module)`` now if imported, else right after its import."""
-    module = sys.modules.get(module_name)
-    if module is not None:
+    """Call ``callback(module)`` now for each imported copy (a ``python -m`` copy
+    included), and right after the import if it has not happened yet."""
+    copies = loaded(module_name)
+    for module in copies:
         callback(module)
+    if module_name in sys.modules:
         return
     with _lock:
         _pending.setdefault(module_name, []).append(callback)
@@ -397,7 +415,7 @@ def sampling_extra_args(params: Any) -> dict | None:
 
 def serving_http() -> bool:
     """True in the OpenAI API server process (payloads arrive over HTTP)."""
-    return any(name in sys.modules for name in HTTP_SERVER_MODULES)
+    return any(loaded(name) for name in HTTP_SERVER_MODULES)
 
 
 HTTP_SERVER_MODULES = tuple(module for module, _ in APP_ROUTE_HOOKS)

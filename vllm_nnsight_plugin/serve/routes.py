@@ -108,5 +108,5 @@ def _attach(original: Callable) -> Callable:
 
 def install(app_module: Any) -> None:
     for module_name, function in compat.APP_ROUTE_HOOKS:
-        if app_module.__name__ == module_name and hasattr(app_module, function):
+        if compat.module_name_of(app_module) == module_name and hasattr(app_module, function):
             compat.wrap_module_function(app_module, function, _attach)
