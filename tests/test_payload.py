@@ -53,6 +53,25 @@ def test_a_list_of_tensors_travels_as_one_buffer():
         values.decode({"$tensors": {"dtype": "float32", "shapes": [[4]], "data": "AAAA"}})
 
 
+def test_binary_results_cross_msgpack_and_become_the_json_form():
+    """Inside vLLM tensor data is raw bytes (msgpack, no base64 in the engine core);
+    the OpenAI server's to_json gives exactly the JSON form."""
+    import msgspec
+
+    obj = {"h": torch.randn(3, 4).to(torch.bfloat16), "steps": [torch.randn(1, 4), torch.randn(1, 4)],
+           "pair": (torch.ones(2, dtype=torch.int64), 2.5)}
+    binary = values.encode(obj, binary=True)
+    assert isinstance(binary["$dict"][0][1]["$tensor"]["data"], (bytes, memoryview))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(binary))  # what vLLM's msgpack does to Any
+    back = values.decode(wire)
+    assert torch.equal(back["h"], obj["h"]) and all(torch.equal(a, b) for a, b in zip(back["steps"], obj["steps"]))
+    assert torch.equal(back["pair"][0], obj["pair"][0]) and back["pair"][1] == 2.5
+    assert values.to_json(wire) == values.encode(obj)
+    back["h"] += 1  # decoded tensors own writable memory
+    with pytest.raises(ValueError, match="bytes"):
+        values.decode({"$tensor": {"dtype": "float32", "shape": [2], "data": b"\0" * 7}})
+
+
 def test_unsupported_and_malformed_values():
     with pytest.raises(TypeError, match="object"):
         values.encode(object())

@@ -26,6 +26,7 @@ INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
 ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
 REQUEST_OUTPUT = ("vllm.outputs", "RequestOutput")
+OUTPUT_PROCESSOR = ("vllm.v1.engine.output_processor", "OutputProcessor")  # front end: outputs in
 SERVING_COMPLETION = ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion")
 SERVING_CHAT = ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat")
 # build_app's last step (attach endpoint plugins, after the core routers), per vLLM version

@@ -4,8 +4,10 @@ The worker attaches each step's results to its ``ModelRunnerOutput``. Here, in
 the scheduler's ``update_from_output``, they are merged per request and stamped
 on the request's final ``EngineCoreOutput`` as ``kv_transfer_params["nnsight"]``
 (the one free-form per-request field that reaches ``RequestOutput`` and the
-OpenAI JSON). A block that failed or called ``tracer.stop()`` stops its request
-in the same step; other requests are untouched.
+OpenAI JSON). Tensor data travels as raw bytes (msgpack carries them as they
+are; no base64 in this hot loop); the OpenAI server makes them base64 in its own
+process (``serve.handlers``). A block that failed or called ``tracer.stop()``
+stops its request in the same step; other requests are untouched.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def finalize(entry: dict[str, Any]) -> dict[str, Any]:
             "an abort), so the block did not run to its end; values saved so far are returned"
         )
     try:
-        return codec.encode_results(entry.get("saves") or {}, error, warnings)
+        return codec.encode_results(entry.get("saves") or {}, error, warnings, binary=True)
     except TypeError as exc:
         return codec.encode_results(
             {}, {"type": "TypeError", "message": str(exc), "lineno": None, "line": "", "traceback": ""},
@@ -87,7 +89,7 @@ def _update_from_output(original: Callable) -> Callable:
                 step_saves = entry.pop("step_saves", None)
                 if request is not None and compat.streams_saves(request):
                     # per-step delivery: what the block saved during this step
-                    partial = codec.encode_results(step_saves or {}, entry.get("error"), [])
+                    partial = codec.encode_results(step_saves or {}, entry.get("error"), [], binary=True)
                     partial["step"] = entry.get("step", 0)
                     compat.stamp(eco, codec.PAYLOAD_KEY, partial)
                 elif request is not None and compat.has_stop_strings(request):

@@ -183,11 +183,12 @@ def load_code(env: dict[str, Any], resolve: Callable[[tuple], Any]) -> CodePaylo
 
 
 def encode_results(
-    saves: dict[str, Any], error: dict[str, Any] | None, warnings: list[str]
+    saves: dict[str, Any], error: dict[str, Any] | None, warnings: list[str], binary: bool = False
 ) -> dict[str, Any]:
-    """The JSON-safe result dict stamped on the request's output."""
+    """The result dict stamped on the request's output (JSON-safe unless ``binary``:
+    then tensor data is raw bytes, see :func:`.values.to_json`)."""
     return {
-        "saves": {name: tagged.encode(v) for name, v in saves.items()},
+        "saves": {name: tagged.encode(v, binary) for name, v in saves.items()},
         "error": error,
         "warnings": list(warnings),
     }

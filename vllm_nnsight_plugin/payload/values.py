@@ -20,6 +20,11 @@ instead:
 numpy decode of a tensor, for clients without torch::
 
     np.frombuffer(base64.b64decode(t["data"]), dtype=t["dtype"]).reshape(t["shape"])
+
+Inside vLLM (EngineCore -> front end, msgpack) ``data`` is the raw ``bytes``
+(``encode(..., binary=True)``): msgpack carries bytes as they are, so the engine
+core's hot loop never base64-encodes. The OpenAI server turns them into base64
+(:func:`to_json`) in its own process; Python callers decode the bytes directly.
 """
 
 from __future__ import annotations
@@ -51,23 +56,36 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
-    """A tensor as ``{"dtype", "shape", "data"}`` (little-endian bytes, base64)."""
+def _data(raw: bytes | memoryview, binary: bool) -> bytes | memoryview | str:
+    return raw if binary else base64.b64encode(raw).decode()
+
+
+def _bytes(t: torch.Tensor) -> bytes | memoryview:
+    """A tensor's little-endian bytes in C order: a view of its memory where possible
+    (msgpack writes a memoryview as bytes, so the engine core copies them once)."""
     t = t.detach().to("cpu").contiguous()
-    name = _dtype_name(t.dtype)
-    raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    data = raw.numpy().tobytes()
+    if not t.numel():
+        return b""
     if sys.byteorder != "little" and t.element_size() > 1:  # pragma: no cover
-        data = t.numpy().byteswap().tobytes()
-    return {"dtype": name, "shape": list(t.shape), "data": base64.b64encode(data).decode()}
+        return t.numpy().byteswap().tobytes()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_tensor(t: torch.Tensor, binary: bool = False) -> dict[str, Any]:
+    """A tensor as ``{"dtype", "shape", "data"}`` (little-endian bytes; base64 unless binary)."""
+    return {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "data": _data(_bytes(t), binary)}
 
 
 def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
-    """Inverse of :func:`encode_tensor`; validates dtype, shape and byte count."""
+    """Inverse of :func:`encode_tensor` (data as base64 or raw bytes); validates dtype,
+    shape and byte count."""
     try:
         dtype = _DTYPES[obj["dtype"]]
         shape = [int(s) for s in obj["shape"]]
-        data = base64.b64decode(obj["data"], validate=True)
+        data = obj["data"]
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            data = base64.b64decode(data, validate=True)
+        data = bytearray(data)  # one owned, writable copy: the tensor keeps it
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed tensor: {exc}") from None
     numel = math.prod(shape)
@@ -76,23 +94,14 @@ def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
         raise ValueError(f"tensor data has {len(data)} bytes, shape {shape} needs {numel * itemsize}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return buf.view(dtype).reshape(shape).clone()
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    if not t.numel():
-        return b""
-    if sys.byteorder != "little" and t.element_size() > 1:  # pragma: no cover
-        return t.numpy().byteswap().tobytes()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def encode_tensors(ts: list[torch.Tensor]) -> dict[str, Any]:
+def encode_tensors(ts: list[torch.Tensor], binary: bool = False) -> dict[str, Any]:
     """Same-dtype tensors as one buffer: per-step rows cost one encode, not one each."""
     name = _dtype_name(ts[0].dtype)
-    flat = torch.cat([t.detach().reshape(-1) for t in ts]).to("cpu").contiguous()
-    return {"dtype": name, "shapes": [list(t.shape) for t in ts], "data": base64.b64encode(_bytes(flat)).decode()}
+    flat = torch.cat([t.detach().reshape(-1) for t in ts])
+    return {"dtype": name, "shapes": [list(t.shape) for t in ts], "data": _data(_bytes(flat), binary)}
 
 
 def decode_tensors(obj: dict[str, Any]) -> list[torch.Tensor]:
@@ -111,14 +120,15 @@ def decode_tensors(obj: dict[str, Any]) -> list[torch.Tensor]:
     return out
 
 
-def encode(value: Any) -> Any:
-    """A JSON-safe form of ``value`` (see module docstring)."""
+def encode(value: Any, binary: bool = False) -> Any:
+    """A JSON-safe form of ``value`` (see module docstring); ``binary``: tensor data as
+    raw bytes (for msgpack inside vLLM; :func:`to_json` makes it JSON-safe)."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else {"$float": repr(value)}
     if isinstance(value, torch.Tensor):
-        return {"$tensor": encode_tensor(value)}
+        return {"$tensor": encode_tensor(value, binary)}
     if isinstance(value, torch.Size):
         return {"$size": list(value)}
     if isinstance(value, torch.dtype):
@@ -126,12 +136,12 @@ def encode(value: Any) -> Any:
     if isinstance(value, list):
         if len(value) > 1 and all(isinstance(v, torch.Tensor) for v in value) \
                 and len({v.dtype for v in value}) == 1:
-            return {"$tensors": encode_tensors(value)}
-        return [encode(v) for v in value]
+            return {"$tensors": encode_tensors(value, binary)}
+        return [encode(v, binary) for v in value]
     if isinstance(value, tuple):
-        return {"$tuple": [encode(v) for v in value]}
+        return {"$tuple": [encode(v, binary) for v in value]}
     if isinstance(value, dict):
-        return {"$dict": [[encode(k), encode(v)] for k, v in value.items()]}
+        return {"$dict": [[encode(k, binary), encode(v, binary)] for k, v in value.items()]}
     ref = getattr(value, "__nnsight_result_path__", None)
     if ref is not None:
         return {"$result": [list(step) for step in ref]}
@@ -139,6 +149,17 @@ def encode(value: Any) -> Any:
         f"a saved value of type {type(value).__name__} cannot leave the engine; "
         "save tensors, numbers, strings, or lists/tuples/dicts of them"
     )
+
+
+def to_json(obj: Any) -> Any:
+    """A binary-encoded value (raw bytes in tensor data) in its JSON-safe form (base64)."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return base64.b64encode(obj).decode()
+    if isinstance(obj, dict):
+        return {k: to_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_json(v) for v in obj]
+    return obj
 
 
 def decode(obj: Any, resolve_result: Any = None) -> Any:

@@ -5,6 +5,8 @@
   problem, before anything reaches the engine.
 - In a stream, the results go into the chunk that carries ``finish_reason`` as
   ``kv_transfer_params`` (the same field as in the non-stream response).
+- Results arrive from the engine core with raw tensor bytes; they become
+  base64 here, in the server's process, before any JSON is written.
 Requests without a payload take the original code path untouched.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 from ..engine import compat
 from ..engine.frontend import check_payload
 from ..payload import codec
+from ..payload import values as tagged
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -133,3 +136,19 @@ def install_completion(cls: type) -> None:
 def install_chat(cls: type) -> None:
     compat.patch_method(cls, "create_chat_completion", _create)
     compat.patch_method(cls, "chat_completion_stream_generator", _chat_stream)
+
+
+def _json_results(original: Callable) -> Callable:
+    def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if compat.serving_http():
+            for eco in engine_core_outputs:
+                params = eco.kv_transfer_params
+                if params and codec.PAYLOAD_KEY in params:
+                    compat.stamp(eco, codec.PAYLOAD_KEY, tagged.to_json(params[codec.PAYLOAD_KEY]))
+        return original(self, engine_core_outputs, *args, **kwargs)
+
+    return process_outputs
+
+
+def install_output_processor(cls: type) -> None:
+    compat.patch_method(cls, "process_outputs", _json_results)
