@@ -22,6 +22,10 @@ import time
 
 MODEL = "/tmp/models/l1b"
 N, PLEN, OLEN = 256, 128, 128
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 2048, 16, 32, 8, 8192
+if os.environ.get("HEADLINE_SMOKE"):  # a CPU smoke test of these scripts (not a measurement)
+    MODEL, (N, PLEN, OLEN) = "/tmp/models/l1b-smoke", (8, 16, 4)
+    HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 128, 10, 4, 2, 256
 
 
 def make_config() -> None:
@@ -29,9 +33,9 @@ def make_config() -> None:
         return
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
-                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    LlamaConfig(vocab_size=32000, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+                max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
                 torch_dtype="bfloat16").save_pretrained(MODEL)
 
 
@@ -58,7 +62,7 @@ def steer(model, tracer):
 
 TAPS = ["model.layers.8.output"]
 STEER_SPEC = json.dumps({"v": 1, "kind": "spec", "ops": [
-    {"op": "add", "module": "model.layers.8", "index": 0, "value": [0.01] * 2048, "steps": "all"}]})
+    {"op": "add", "module": "model.layers.8", "index": 0, "value": [0.01] * HIDDEN, "steps": "all"}]})
 
 
 def read_spec(steps: str) -> str:
@@ -80,17 +84,34 @@ VARIANTS = {
 }
 
 
-def child(variant: str, reps: int, only: list[str]) -> None:
-    from vllm import LLM, SamplingParams
+def workload_params() -> dict:
+    """SamplingParams per workload: code blocks, and the same reads/steering as JSON specs
+    (which run batched: one operation for all requests, no block per request)."""
+    from vllm import SamplingParams
 
-    from vllm_nnsight_plugin import make_payload, results
+    from vllm_nnsight_plugin import make_payload
+
+    def params(payload: str | None = None):
+        return SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
+                              detokenize=False, extra_args={"nnsight": payload} if payload else None)
+
+    return {"plain": params(), "prefill": params(make_payload(prefill_capture)),
+            "every_token": params(make_payload(every_token_capture)), "steer": params(make_payload(steer)),
+            "steer_spec": params(STEER_SPEC), "prefill_spec": params(read_spec("prefill")),
+            "every_token_spec": params(read_spec("all"))}
+
+
+def child(variant: str, reps: int, only: list[str]) -> None:
+    from vllm import LLM
+
+    from vllm_nnsight_plugin import results
 
     global STEER
     import torch
 
     _, _, eager, workloads, taps = VARIANTS[variant]
     workloads = [w for w in workloads if w in only or w == "plain"] if only else workloads
-    STEER = torch.full((2048,), 0.01, dtype=torch.bfloat16)
+    STEER = torch.full((HIDDEN,), 0.01, dtype=torch.bfloat16)
     extra = {"additional_config": {"nnsight": {"taps": TAPS}}} if taps else {}
     t0 = time.time()
     llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=eager,
@@ -99,18 +120,7 @@ def child(variant: str, reps: int, only: list[str]) -> None:
     random.seed(0)
     prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(PLEN)]} for _ in range(N)]
 
-    def params(block=None):
-        extra = {"nnsight": make_payload(block)} if block else None
-        return SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
-                              detokenize=False, extra_args=extra)
-
-    sps = {"plain": params(), "prefill": params(prefill_capture), "every_token": params(every_token_capture),
-           "steer": params(steer)}
-    # the same steering as a declarative spec: runs batched (one add for all requests), no block
-    for name, spec in (("steer_spec", STEER_SPEC), ("prefill_spec", read_spec("prefill")),
-                       ("every_token_spec", read_spec("all"))):
-        sps[name] = SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
-                                   detokenize=False, extra_args={"nnsight": spec})
+    sps = workload_params()
     for name in workloads:  # warm-up at full batch size (first full batch compiles kernels)
         llm.generate(prompts, sps[name], use_tqdm=False)
     times: dict[str, list[float]] = {w: [] for w in workloads}
@@ -146,6 +156,7 @@ def main() -> None:
         return
     make_config()
     out_dir = os.environ.get("OUT", ".")
+    os.makedirs(out_dir, exist_ok=True)
     rows = []
     for variant in args.variants.split(","):
         plugin, v1, *_ = VARIANTS[variant]

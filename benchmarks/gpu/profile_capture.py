@@ -1,51 +1,92 @@
-"""Where does a capture's time go? cProfile of one rep of the headline workload.
+"""Where does a workload's time go? One rep of the headline workload, profiled.
 
-Runs the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profile
-sees the scheduler, the runner, the plugin and the result encoding together.
+Runs the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so one profile sees
+the scheduler, the runner, the plugin and the result encoding together. Prints:
+the wall time of an untraced rep and of the workload's rep (same engine), cProfile's
+top functions by own time, the plugin's functions by cumulative time, and every
+place that made the CPU wait for the GPU during the workload's rep (CUDA sync
+debug mode; a wait per step defeats vLLM's async scheduling).
 
-    python3 benchmarks/gpu/profile_capture.py prefill|every_token
+    python3 benchmarks/gpu/profile_capture.py WORKLOAD [--taps] [--v1]
+
+WORKLOAD: plain, prefill, every_token, steer, prefill_spec, every_token_spec, steer_spec.
+--taps: compiled + CUDA graphs with layer 8 tapped (else eager); --v1: the V1 runner.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import cProfile
 import io
 import os
 import pstats
 import random
 import sys
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-
-sys.path.insert(0, os.path.dirname(__file__))
-from headline import MODEL, OLEN, PLEN, N, every_token_capture, make_config, prefill_capture  # noqa: E402
+import time
+import warnings
 
 
 def main() -> None:
-    which = sys.argv[1]
-    make_config()
-    from vllm import LLM, SamplingParams
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workload")
+    parser.add_argument("--taps", action="store_true")
+    parser.add_argument("--v1", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.v1:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import headline
+    import torch
+    from vllm import LLM
 
-    from vllm_nnsight_plugin import make_payload
-
-    llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-              dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5, seed=0)
+    headline.make_config()
+    headline.STEER = torch.full((headline.HIDDEN,), 0.01, dtype=torch.bfloat16)
+    extra = {"additional_config": {"nnsight": {"taps": headline.TAPS}}} if args.taps else {}
+    llm = LLM(model=headline.MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=not args.taps,
+              dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5, seed=0, **extra)
     random.seed(0)
-    prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(PLEN)]} for _ in range(N)]
-    block = {"prefill": prefill_capture, "every_token": every_token_capture, "plain": None}[which]
-    extra = {"nnsight": make_payload(block)} if block else None
-    sp = SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95, detokenize=False,
-                        extra_args=extra)
-    llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+    prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(headline.PLEN)]}
+               for _ in range(headline.N)]
+    sps = headline.workload_params()
+    for name in ("plain", args.workload):  # warm-up at full batch
+        llm.generate(prompts, sps[name], use_tqdm=False)
+    walls = {}
+    for name in ("plain", args.workload):
+        t = time.perf_counter()
+        llm.generate(prompts, sps[name], use_tqdm=False)
+        walls[name] = time.perf_counter() - t
+    print(f"wall: plain {walls['plain']:.3f}s, {args.workload} {walls[args.workload]:.3f}s "
+          f"(ratio {walls['plain'] / walls[args.workload]:.3f}); taps={args.taps} v1={args.v1}")
+
     prof = cProfile.Profile()
     prof.enable()
-    llm.generate(prompts, sp, use_tqdm=False)
+    llm.generate(prompts, sps[args.workload], use_tqdm=False)
     prof.disable()
     out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
-    stats.print_stats(30)
-    print(out.getvalue()[:12000])
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats("nnsight", 30)
+    print(out.getvalue()[:20000])
+
+    if not torch.cuda.is_available():
+        return
+    # where the CPU waited for the GPU (one rep): call sites, most frequent first
+    sites: collections.Counter = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.generate(prompts, sps[args.workload], use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites[f"{w.filename}:{w.lineno}"] += 1
+    print(f"CUDA syncs during one {args.workload} rep ({headline.OLEN} steps): {sum(sites.values())}")
+    for site, n in sites.most_common(25):
+        print(f"{n:8d}  {site}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # and this package, then runs what is asked:
 #   bash benchmarks/gpu/remote.sh tests      parity/taps tests on CUDA (NNSIGHT_GPU_TESTS picks files)
 #   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
-#   bash benchmarks/gpu/remote.sh profile [plain prefill every_token]
+#   bash benchmarks/gpu/remote.sh profile [--taps] [--v1] [every_token_spec ...]
 #   bash benchmarks/gpu/remote.sh anchors     nnsight 0.8.1 taps (anchor harness) + stock graphs
 #   bash benchmarks/gpu/remote.sh stage       only stage (then STAGED=1 for runs side by side)
 set -euo pipefail
@@ -58,8 +58,11 @@ case "$what" in
       .whl/anchors/run_all.sh > /tmp/anchors_run_all.sh
     AB_STEPS="${AB_STEPS:-stock_graph nn_taps}" OUT="$OUT" bash /tmp/anchors_run_all.sh 2>&1 \
       | tee "$OUT/anchors.log" | tail -40 ;;
-  profile)
-    for w in "${@:-plain prefill every_token}"; do
-      for x in $w; do python3 benchmarks/gpu/profile_capture.py "$x" > "$OUT/profile_$x.txt" 2>&1 || true; done
+  profile)  # profile [--taps] [--v1] workload...: one file per workload
+    flags=(); names=()
+    for a in "$@"; do case "$a" in --*) flags+=("$a") ;; *) names+=("$a") ;; esac; done
+    [ ${#names[@]} -gt 0 ] || names=(prefill every_token)
+    for x in "${names[@]}"; do
+      python3 benchmarks/gpu/profile_capture.py "$x" "${flags[@]}" > "$OUT/profile_$x${flags[*]// /}.txt" 2>&1 || true
     done ;;
 esac
