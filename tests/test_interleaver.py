@@ -87,3 +87,38 @@ def test_front_end_refuses_module_edits_on_a_compiled_engine(configs):
     check_payload(logits_only, Params(), configs[False])
     check_payload(spec_logits, Params(), configs[False])
     check_payload(touching, Params(), configs[True])
+
+
+def test_a_steps_saves_reach_the_host_in_one_copy_per_dtype(monkeypatch):
+    """to_host: every request saving at one step shares one device-to-host copy per
+    dtype (one synchronisation for 256 requests, not 256), values land in the right
+    request and name, and a tensor shipped before is not copied again. (On this CPU
+    machine "on the device" is simulated: the copy itself is the same code.)"""
+    from vllm_nnsight_plugin.engine import session as session_mod
+    from vllm_nnsight_plugin.engine.session import RequestSession, to_host
+
+    device = set()
+    monkeypatch.setattr(session_mod, "on_device", lambda t: id(t) in device)
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(session_mod.torch, "cat", lambda ts, *a, **k: cats.append(len(ts)) or real_cat(ts, *a, **k))
+
+    def mark(t):
+        device.add(id(t))
+        return t
+
+    a, b = RequestSession("a", None), RequestSession("b", None)
+    h_a, h_b = mark(torch.randn(3, 4)), mark(torch.randn(2, 4))
+    rows = [mark(torch.randn(1, 4).to(torch.bfloat16)) for _ in range(3)]
+    a.last = {"h": h_a, "rows": rows, "n": 3}
+    b.last = {"h": h_b, "pair": (h_b, mark(torch.ones(2, dtype=torch.int64)))}
+    to_host([a, b])
+    assert sorted(cats) == [2, 3]  # float32 (h_a, h_b once), bfloat16 (3 rows); int64 alone: copied as is
+    assert torch.equal(a.last["h"], h_a) and a.last["h"] is not h_a and a.last["n"] == 3
+    assert all(torch.equal(x, y) for x, y in zip(a.last["rows"], rows))
+    assert torch.equal(b.last["pair"][0], h_b) and b.last["pair"][0] is b.last["h"]
+    first = a.last["h"]
+    cats.clear()
+    a.last = {"h": h_a, "more": mark(torch.zeros(1))}  # h_a shipped before: only the new one moves
+    to_host([a])
+    assert cats == [] and a.last["h"] is first and torch.equal(a.last["more"], torch.zeros(1))

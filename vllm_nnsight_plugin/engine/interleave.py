@@ -20,7 +20,7 @@ from ..payload import codec
 from . import batched, compat, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
-from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait, engine_error
+from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait, engine_error, to_host
 from .tree import leaves, map_tensors
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -133,6 +133,8 @@ class Interleaver:
         self.layout: StepLayout | None = None
         self.current: RequestSession | None = None
         self.results: dict[str, dict[str, Any]] = {}
+        self._unshipped: dict[str, list[RequestSession]] = {}  # requests with a fresh snapshot...
+        self._moving: list[RequestSession] = []  # ...whose blocks' snapshots are still on the device
         self._parents: dict[int, torch.nn.Module] | None = None
         self._ranks: dict[str, int] | None = None
 
@@ -257,6 +259,7 @@ class Interleaver:
                 session.ended = True  # batched edits drop it on the next prune
                 session.close()
             self.results.pop(req_id, None)
+            self._unshipped.pop(req_id, None)
             self.traced.discard(req_id)
             self.params.pop(req_id, None)
             self.report_every_step.discard(req_id)
@@ -353,8 +356,24 @@ class Interleaver:
         self.layout = None
         self.batched.prune()
         self._prune_hooks()
+        self._ship()
         results, self.results = self.results, {}
         return results
+
+    def _ship(self) -> None:
+        """The step's fresh snapshots to the CPU (one copy per dtype for all requests),
+        merged per request (its own block's names win)."""
+        pending, self._unshipped = self._unshipped, {}
+        moving, self._moving = self._moving, []
+        to_host(moving)
+        for req_id, blocks in pending.items():
+            entry = self.results.get(req_id)
+            if entry is None:
+                continue
+            merged: dict[str, Any] = {}
+            for session in blocks:
+                merged.update(session.last)
+            entry["saves"] = merged
 
     def between_steps(self, req_id: str) -> bool:
         """A block parked until a later step (``tracer.iter``/``tracer.all()``)."""
@@ -381,6 +400,7 @@ class Interleaver:
                     )
                     snap = {}
                 session.last = snap
+                self._moving.append(session)
                 changed += session.changed
                 fresh = True
             session.final = not session.active
@@ -395,10 +415,8 @@ class Interleaver:
         self._reported[req_id] = state
         entry = self.results.setdefault(req_id, {})
         if fresh:
-            merged: dict[str, Any] = {}
-            for session in blocks:
-                merged.update(session.last)
-            entry["saves"] = merged
+            self._unshipped[req_id] = blocks  # moved to the CPU with the rest of the step's
+            entry["saves"] = None
             entry["changed"] = changed
             entry["step"] = max((s.step for s in blocks), default=1) - 1
         entry["error"] = error

@@ -309,31 +309,24 @@ class RequestSession:
         self._shipped = ids
         self._dirty = False
         self._fresh = set()
-        return self._to_cpu(current)
+        return current  # still on the device: the interleaver moves a whole step's at once
 
-    def _to_cpu(self, value: Any) -> Any:
-        """A CPU copy of a saved structure, with one device-to-host copy per dtype
-        (a list of 128 per-step rows costs one synchronisation, not 128)."""
-        moved: dict[int, torch.Tensor] = {}
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for t in (x for x in leaves(value) if isinstance(x, torch.Tensor)):
-            if t.device.type == "cpu":
-                moved[id(t)] = t
-            else:
+    def off_host(self, value: Any) -> list[torch.Tensor]:
+        """The device tensors of ``value`` that have no CPU copy yet (each once)."""
+        out: dict[int, torch.Tensor] = {}
+        for t in leaves(value):
+            if isinstance(t, torch.Tensor) and on_device(t) and id(t) not in out:
                 hit = self._cpu.get(id(t))
-                if hit is not None and hit[0] is t:
-                    moved[id(t)] = hit[1]
-                else:
-                    groups.setdefault((t.dtype, t.device), []).append(t)
-        for group in groups.values():
-            flat = torch.cat([t.reshape(-1) for t in group]).cpu() if len(group) > 1 else None
-            offset = 0
-            for t in group:
-                cpu = flat[offset : offset + t.numel()].view(t.shape) if flat is not None else t.cpu()
-                offset += t.numel()
-                self._cpu[id(t)] = (t, cpu)
-                moved[id(t)] = cpu
-        return map_tensors(value, lambda t: moved[id(t)])
+                if hit is None or hit[0] is not t:
+                    out[id(t)] = t
+        return list(out.values())
+
+    def adopt_host(self, t: torch.Tensor, cpu: torch.Tensor) -> None:
+        self._cpu[id(t)] = (t, cpu)
+
+    def on_host(self, value: Any) -> Any:
+        """``value`` with every device tensor replaced by its CPU copy (see :func:`to_host`)."""
+        return map_tensors(value, lambda t: self._cpu[id(t)][1] if on_device(t) else t)
 
     def pending(self) -> dict[str, Any] | None:
         if self.wait is None or self.done or self.error is not None or self.batched:
@@ -345,3 +338,27 @@ class RequestSession:
         }
 
 
+
+
+def on_device(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu"
+
+
+def to_host(sessions: list[RequestSession]) -> None:
+    """Move the snapshots (``session.last``) of a step's sessions to the CPU with one
+    device-to-host copy per dtype for the whole step: 256 requests saving at the same
+    step cost one synchronisation, not 256. A tensor shipped before (a saved list
+    re-sent as it grows) is not copied again."""
+    groups: dict[tuple, list[tuple[RequestSession, torch.Tensor]]] = {}
+    for session in sessions:
+        for t in session.off_host(session.last):
+            groups.setdefault((t.dtype, t.device), []).append((session, t))
+    for group in groups.values():
+        flat = torch.cat([t.reshape(-1) for _, t in group]).cpu() if len(group) > 1 else None
+        offset = 0
+        for session, t in group:
+            cpu = flat[offset : offset + t.numel()].view(t.shape) if flat is not None else t.cpu()
+            offset += t.numel()
+            session.adopt_host(t, cpu)
+    for session in sessions:
+        session.last = session.on_host(session.last)
