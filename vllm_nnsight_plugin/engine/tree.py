@@ -23,8 +23,8 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return fn(value)
     if isinstance(value, dict):
         return {k: map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, list):
-        return [map_tensors(v, fn) for v in value]
+    if isinstance(value, list):  # (a saved list of per-step rows: no call per row)
+        return [fn(v) if type(v) is torch.Tensor else map_tensors(v, fn) for v in value]
     if _container(value):
         return tuple(map_tensors(v, fn) for v in value)
     return value
@@ -37,6 +37,9 @@ def leaves(value: Any) -> Iterator[Any]:
             yield from leaves(v)
     elif _container(value):
         for v in value:
-            yield from leaves(v)
+            if type(v) is torch.Tensor:  # no generator per tensor (per-step rows)
+                yield v
+            else:
+                yield from leaves(v)
     else:
         yield value
