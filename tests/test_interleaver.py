@@ -117,6 +117,13 @@ def test_a_steps_saves_reach_the_host_in_one_copy_per_dtype(monkeypatch):
     assert torch.equal(a.last["h"], h_a) and a.last["h"] is not h_a and a.last["n"] == 3
     assert all(torch.equal(x, y) for x, y in zip(a.last["rows"], rows))
     assert torch.equal(b.last["pair"][0], h_b) and b.last["pair"][0] is b.last["h"]
+    monkeypatch.setattr(session_mod, "HOST_CHUNK_BYTES", 60)  # 48 B + 32 B > 60: two copies
+    cats.clear()
+    c = RequestSession("c", None)
+    c.last = {"x": mark(torch.randn(3, 4)), "y": mark(torch.randn(2, 4)), "z": mark(torch.randn(1, 4))}
+    xs = dict(c.last)
+    to_host([c])
+    assert cats == [2] and all(torch.equal(c.last[k], xs[k]) for k in xs)  # [x], [y, z]
     first = a.last["h"]
     cats.clear()
     a.last = {"h": h_a, "more": mark(torch.zeros(1))}  # h_a shipped before: only the new one moves

@@ -338,25 +338,34 @@ class RequestSession:
         }
 
 
-
-
 def on_device(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
+HOST_CHUNK_BYTES = 256 << 20  # at most this much extra device memory for one step's copy
+
+
 def to_host(sessions: list[RequestSession]) -> None:
     """Move the snapshots (``session.last``) of a step's sessions to the CPU with one
-    device-to-host copy per dtype for the whole step: 256 requests saving at the same
-    step cost one synchronisation, not 256. A tensor shipped before (a saved list
-    re-sent as it grows) is not copied again."""
-    groups: dict[tuple, list[tuple[RequestSession, torch.Tensor]]] = {}
+    device-to-host copy per dtype for the whole step (in chunks of at most
+    ``HOST_CHUNK_BYTES``): 256 requests saving at the same step cost one
+    synchronisation, not 256. A tensor shipped before (a saved list re-sent as it
+    grows) is not copied again."""
+    groups: dict[tuple, list[list[tuple[RequestSession, torch.Tensor]]]] = {}
+    filled: dict[tuple, int] = {}  # bytes in each group's last chunk
     for session in sessions:
         for t in session.off_host(session.last):
-            groups.setdefault((t.dtype, t.device), []).append((session, t))
-    for group in groups.values():
-        flat = torch.cat([t.reshape(-1) for _, t in group]).cpu() if len(group) > 1 else None
+            key, size = (t.dtype, t.device), t.numel() * t.element_size()
+            chunks = groups.setdefault(key, [[]])
+            if chunks[-1] and filled.get(key, 0) + size > HOST_CHUNK_BYTES:
+                chunks.append([])
+                filled[key] = 0
+            chunks[-1].append((session, t))
+            filled[key] = filled.get(key, 0) + size
+    for chunk in (c for chunks in groups.values() for c in chunks):
+        flat = torch.cat([t.reshape(-1) for _, t in chunk]).cpu() if len(chunk) > 1 else None
         offset = 0
-        for session, t in group:
+        for session, t in chunk:
             cpu = flat[offset : offset + t.numel()].view(t.shape) if flat is not None else t.cpu()
             offset += t.numel()
             session.adopt_host(t, cpu)
