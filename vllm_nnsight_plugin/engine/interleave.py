@@ -300,6 +300,11 @@ class Interleaver:
                 "max_num_batched_tokens or shorten the prompt",
             )
 
+    def working(self) -> bool:
+        """Traced work in the engine: live blocks, or results still to ship (an error
+        for a recomputed request counts)."""
+        return bool(self.sessions or self.results)
+
     def active(self, req_id: str) -> bool:
         return any(s.active for s in self.sessions.get(req_id, ()))
 

@@ -14,9 +14,10 @@ every mode, outside CUDA graphs).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..payload import codec
 from . import compat, taps
 from .interleave import Interleaver, StepLayout
 
@@ -53,19 +54,34 @@ def _wrap_compute_logits(model: Any, inter: Interleaver) -> None:
     model.compute_logits = compute_logits
 
 
+def admit_step(runner: Any, scheduler_output: Any, recomputed: Iterable[str]) -> Interleaver | None:
+    """A step's admission, for both runners: drop finished requests, fail the
+    ``recomputed`` ones whose state cannot be replayed, admit new traced requests
+    (every new request while engine-wide edits are installed). The interleaver when
+    the step has traced work, else None (the step runs untouched)."""
+    new = compat.new_requests_with_params(scheduler_output)
+    traced = [r for r in new if r[1] and codec.PAYLOAD_KEY in r[1]]
+    inter = interleaver_of(runner, create=bool(traced))
+    if inter is None:
+        return None
+    inter.finish(compat.finished_ids(scheduler_output))
+    for req_id in recomputed:
+        inter.preempted(req_id)
+    for req_id, extra_args, params in new if inter.edits else traced:
+        inter.admit(req_id, extra_args, params)
+    return inter if inter.working() else None
+
+
+def close_step(inter: Interleaver, runner_output: Any, finishing: set[str]) -> None:
+    """End the interleaver's step; its results ride the runner's output."""
+    results = inter.end_step(finishing)
+    if results:
+        compat.attach_results(runner_output, results)
+
+
 def _execute_model(original: Callable) -> Callable:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        new = compat.new_requests_with_params(scheduler_output)
-        traced = [r for r in new if r[1] and "nnsight" in r[1]]
-        inter = interleaver_of(self, create=bool(traced))
-        if inter is None:
-            return original(self, scheduler_output, *args, **kwargs)
-        inter.finish(compat.finished_ids(scheduler_output))
-        for req_id, extra_args, params in new if inter.edits else traced:  # edits reach every request
-            inter.admit(req_id, extra_args, params)
-        for req_id in compat.resumed_ids(scheduler_output):
-            inter.preempted(req_id)
-        if not inter.sessions and not inter.results:  # (results: an error for a recomputed request)
+        if admit_step(self, scheduler_output, compat.resumed_ids(scheduler_output)) is None:
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
         try:
@@ -80,7 +96,7 @@ def _model_forward(original: Callable) -> Callable:
     def model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         so = self.__dict__.get(_SO)
         inter = self.__dict__.get(_ATTR)
-        if so is None or inter is None or not (inter.sessions or inter.results):
+        if so is None or inter is None or not inter.working():
             return original(self, *args, **kwargs)
         ids = kwargs.get("input_ids")
         if ids is None:
@@ -135,9 +151,7 @@ def _sample_tokens(original: Callable) -> Callable:
                 r for r in layout.spans
                 if inter.between_steps(r) and compat.will_finish(self, r, lambda r=r: layout.sampled_token(r))
             }
-            results = inter.end_step(finishing)
-            if results:
-                compat.attach_results(out, results)
+            close_step(inter, out, finishing)
         return out
 
     return sample_tokens

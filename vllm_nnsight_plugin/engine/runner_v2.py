@@ -17,7 +17,7 @@ from typing import Any
 
 from . import compat, taps
 from .interleave import StepLayout
-from .runner_v1 import _ATTR, _SO, _load_model, interleaver_of, sample_wrapper
+from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
 
 _BATCH = "_nnsight_input_batch"  # this step's InputBatch, until sample_tokens
 _graph_mode: str | None = None  # "piecewise"/"eager" per step (execute_model), read by the dispatch wrap
@@ -28,17 +28,8 @@ def _execute_model(original: Callable) -> Callable:
         global _graph_mode
         if kwargs.get("dummy_run"):
             return original(self, scheduler_output, *args, **kwargs)
-        new = compat.new_requests_with_params(scheduler_output)
-        traced = [r for r in new if r[1] and "nnsight" in r[1]]
-        inter = interleaver_of(self, create=bool(traced))
-        if inter is None:
-            return original(self, scheduler_output, *args, **kwargs)
-        inter.finish(compat.finished_ids(scheduler_output))
-        for req_id in compat.preempted_ids(scheduler_output):
-            inter.preempted(req_id)  # V2 drops its state and later re-sends it as new
-        for req_id, extra_args, sampling in new if inter.edits else traced:
-            inter.admit(req_id, extra_args, sampling)
-        if not inter.sessions and not inter.results:  # (results: an error for a recomputed request)
+        # V2 drops a preempted request's state and later re-sends it as new
+        if admit_step(self, scheduler_output, compat.preempted_ids(scheduler_output)) is None:
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
         _graph_mode = taps.step_graph_mode(self, scheduler_output.num_scheduled_tokens)
@@ -55,7 +46,7 @@ def _prepare_inputs(original: Callable) -> Callable:
     def prepare_inputs(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         batch = original(self, scheduler_output, *args, **kwargs)
         inter = self.__dict__.get(_ATTR)
-        if self.__dict__.get(_SO) is None or inter is None or not (inter.sessions or inter.results):
+        if self.__dict__.get(_SO) is None or inter is None or not inter.working():
             return batch
         spans: dict[str, tuple[int, int]] = {}
         rows: dict[str, int] = {}
@@ -90,9 +81,7 @@ def _sample_tokens(original: Callable) -> Callable:
                 lambda r=req_id: layout.sampled_token(r),
             ):
                 finishing.add(req_id)
-        results = inter.end_step(finishing)
-        if results:
-            compat.attach_results(out, results)
+        close_step(inter, out, finishing)
         return out
 
     return sample_tokens
