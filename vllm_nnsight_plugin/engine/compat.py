@@ -258,9 +258,16 @@ def _stops(params: Any, outputs: int, total: int, max_model_len: int, last: Call
         return True
     if total >= max_model_len:
         return True
-    if outputs < (params.min_tokens or 0) or not params.all_stop_token_ids:
+    if outputs < (params.min_tokens or 0):
+        return False
+    # the tokens check_stop ends on: eos (None under ignore_eos) and stop_token_ids; not
+    # all_stop_token_ids, which also holds the eos ids kept only for min_tokens masking
+    eos = params.eos_token_id
+    stops = params.stop_token_ids or ()
+    if eos is None and not stops:
         return False  # no stop token to check: no device->host read (keeps async scheduling)
-    return last() in params.all_stop_token_ids
+    token = last()
+    return token == eos or token in stops
 
 
 # ----------------------------------------------------------------- runner (V2)
