@@ -12,6 +12,7 @@ import torch
 
 from vllm_nnsight_plugin import make_payload
 from vllm_nnsight_plugin.engine.interleave import Interleaver, StepLayout
+from vllm_nnsight_plugin.payload import values
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_compiled_engine_refuses_module_access_but_serves_logits(configs):
     err = res["a"]["error"]
     assert "needs an eager engine" in err["message"] and "enforce_eager=True" in err["message"]
     assert err["line"].startswith("x = model[0].output.save()")
-    assert res["b"]["error"] is None and res["b"]["saves"]["lg"].shape == (1, 4)
+    assert res["b"]["error"] is None and values.decode(res["b"]["saves"]["lg"]).shape == (1, 4)
 
 
 def test_eager_engine_serves_each_request_its_rows(configs):
@@ -63,10 +64,39 @@ def test_eager_engine_serves_each_request_its_rows(configs):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     inter = Interleaver(model, configs[True])
     res = _step(inter, model, {"a": read_layer})
-    x = res["a"]["saves"]["x"]
+    x = values.decode(res["a"]["saves"]["x"])  # encoded in the worker, as it leaves
     ref = model[0](torch.arange(20, dtype=torch.float32).reshape(5, 4))[0:3]
     assert torch.allclose(x, ref)
     assert not inter.hooks  # hooks are removed once nobody waits
+
+
+def own_and_served(model, tracer):
+    out = model[0].output
+    own = out * 2  # the block's own tensor
+    kept = own.save()  # noqa: F841 - read back from the namespace
+    served = out.save()  # noqa: F841 - vLLM's buffer: copied at save
+
+
+def test_saving_copies_served_buffers_but_not_the_blocks_own_tensors(configs):
+    """A saved view of a served value is copied when saved (here an in-place ReLU
+    overwrites the layer's output afterwards, as vLLM's fused residual add does); a
+    tensor the block computed itself is kept without a copy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 4))
+    inter = Interleaver(model, configs[True])
+    inter.admit("a", {"nnsight": make_payload(own_and_served)})
+    (session,) = inter.sessions["a"]
+    inter.begin_step(StepLayout({"a": (0, 5)}, {"a": 0}, 5))
+    x = torch.randn(5, 4)
+    with torch.inference_mode():
+        model(x)
+    ns = dict(session.namespace)
+    res = inter.end_step()
+    before = model[0](x)
+    assert (before < 0).any()  # the ReLU did overwrite the served buffer
+    assert torch.allclose(values.decode(res["a"]["saves"]["served"]), before)
+    assert ns["kept"].untyped_storage().data_ptr() == ns["own"].untyped_storage().data_ptr()  # no copy
+    assert torch.allclose(values.decode(res["a"]["saves"]["kept"]), 2 * before)
 
 
 def test_front_end_refuses_module_edits_on_a_compiled_engine(configs):
@@ -129,3 +159,30 @@ def test_a_steps_saves_reach_the_host_in_one_copy_per_dtype(monkeypatch):
     a.last = {"h": h_a, "more": mark(torch.zeros(1))}  # h_a shipped before: only the new one moves
     to_host([a])
     assert cats == [] and a.last["h"] is first and torch.equal(a.last["more"], torch.zeros(1))
+
+
+def test_finish_prediction_reads_the_token_only_when_a_stop_token_can_end_the_request():
+    """The worker predicts a request's last step as check_stop will decide it. Under
+    ignore_eos the eos id stays in all_stop_token_ids (for min_tokens masking) but
+    cannot end the request: reading the sampled token there would cost a
+    device-to-host wait every step (async scheduling lost)."""
+    from vllm import SamplingParams
+
+    from vllm_nnsight_plugin.engine.compat import _stops
+
+    def never() -> int:
+        raise AssertionError("the sampled token was read")
+
+    def params(**kw) -> SamplingParams:
+        p = SamplingParams(max_tokens=10, **kw)
+        p.update_from_generation_config({"eos_token_id": [2, 5]}, 2)
+        return p
+
+    ignoring = params(ignore_eos=True)
+    assert 2 in ignoring.all_stop_token_ids and not _stops(ignoring, 3, 10, 100, never)
+    assert _stops(ignoring, 10, 17, 100, never)  # max_tokens: no read either
+    assert _stops(params(ignore_eos=True, stop_token_ids=[9]), 3, 10, 100, lambda: 9)
+    normal = params()
+    assert _stops(normal, 3, 10, 100, lambda: 2) and _stops(normal, 3, 10, 100, lambda: 5)
+    assert not _stops(normal, 3, 10, 100, lambda: 7)
+    assert not _stops(params(min_tokens=5), 3, 10, 100, never)

@@ -7,8 +7,8 @@ or ``all`` steps) needs no block of its own: it is a fixed function of the
 request's rows. Such requests skip the greenlet; at each location an edit is
 applied once per distinct operation over the rows of every request that sent
 it (one kernel for a batch of 256 steered requests instead of 256 block
-switches), and a read copies the location once per step, each request keeping
-a view of its rows (moved to the host with the rest of its saves when it ends).
+switches), and a read copies the location to the host once per step (without
+waiting: see :mod:`.host`), each request keeping a view of its rows.
 Identical payload texts share one parsed spec (the codec caches them), so their
 operations are the same objects and group by identity.
 Results, errors and the request lifecycle still go through the request's
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .host import host_copy
 from .spec_runner import _tensor, pick_index
 
 if TYPE_CHECKING:
@@ -139,17 +140,18 @@ class BatchedEdits:
 
     def _read(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]],
               sessions: list[RequestSession], num_tokens: int) -> None:
-        """One copy of the location's rows this step; each request keeps a view of its own."""
+        """One copy of the location's rows this step, straight to (pinned) host memory
+        without waiting for it; each request keeps a view of its own rows."""
         last = max(end for _, end in spans)
         if op.get("index") is None and isinstance(value, (tuple, list)):  # e.g. (hidden, residual)
-            parts = [_per_token_tensor({}, v, num_tokens)[:last].clone() if v is not None else None
+            parts = [host_copy(_per_token_tensor({}, v, num_tokens)[:last]) if v is not None else None
                      for v in value]
             kind = type(value)
 
             def cut(start: int, end: int) -> Any:
                 return kind(p[start:end] if p is not None else None for p in parts)
         else:
-            rows = _per_token_tensor(op, value, num_tokens)[:last].clone()
+            rows = host_copy(_per_token_tensor(op, value, num_tokens)[:last])
 
             def cut(start: int, end: int) -> Any:
                 return rows[start:end]

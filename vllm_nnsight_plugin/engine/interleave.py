@@ -11,19 +11,20 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..payload import codec
-from . import batched, compat, taps
+from . import batched, compat, host, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait, engine_error, to_host
 from .tree import leaves, map_tensors
 
 logger = logging.getLogger("vllm_nnsight_plugin")
+SERVED_LIMIT = 1 << 16  # distinct served storages remembered (eager engines reuse a bounded set)
 
 
 @dataclass
@@ -33,7 +34,8 @@ class StepLayout:
     spans: dict[str, tuple[int, int]]  # req_id -> [start, end) token rows
     rows: dict[str, int]  # req_id -> index among the step's requests (logits/samples row)
     num_tokens: int  # leading size of activation tensors (including any padding)
-    logits: dict[str, Any] = field(default_factory=dict)  # req_id -> this step's logits row (copy)
+    kept_logits: Any = None  # a copy of this step's logits rows kept_from.. (see keep_logits)
+    kept_from: int = 0
     sampled: Any = None  # this step's sampled token ids (device tensor), once sampled
     sampled_cpu: list | None = None
     logits_seen: bool = False
@@ -126,6 +128,7 @@ class Interleaver:
         # front end; streams ship each step); others report only when something changed
         self.report_every_step: set[str] = set()
         self._reported: dict[str, tuple] = {}
+        self._served: set[int] | None = set()  # storages served to blocks (see owns)
         self._ancestor_cache: dict[int, list[torch.nn.Module]] = {}
         self.edits: dict[str, tuple[str | None, dict[str, Any]]] = {}  # engine-wide: id -> (name, payload)
         self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
@@ -367,10 +370,16 @@ class Interleaver:
 
     def _ship(self) -> None:
         """The step's fresh snapshots to the CPU (one copy per dtype for all requests),
-        merged per request (its own block's names win)."""
+        merged per request (its own block's names win) and encoded here, in the
+        worker: tensor bytes then cross to the engine core as one buffer per value
+        (a list of 128 per-step rows is one buffer, not 128 tensors to serialise),
+        and vLLM's scheduling loop only forwards them."""
         pending, self._unshipped = self._unshipped, {}
         moving, self._moving = self._moving, []
+        if not pending:
+            return
         to_host(moving)
+        host.wait()  # the only wait for the copies: the bytes are read next
         for req_id, blocks in pending.items():
             entry = self.results.get(req_id)
             if entry is None:
@@ -378,7 +387,14 @@ class Interleaver:
             merged: dict[str, Any] = {}
             for session in blocks:
                 merged.update(session.last)
-            entry["saves"] = merged
+            try:
+                entry["saves"] = codec.encode_saves(merged, binary=True)
+            except TypeError as exc:  # a saved value the result format cannot carry: the request ends
+                for session in blocks:
+                    self._unwait(session)
+                    session.fail(exc)
+                entry["saves"] = {}
+                entry["error"] = next(s.error for s in blocks if s.error is not None)
 
     def between_steps(self, req_id: str) -> bool:
         """A block parked until a later step (``tracer.iter``/``tracer.all()``)."""
@@ -545,22 +561,44 @@ class Interleaver:
                     return True
         return False
 
+    def _note_served(self, value: Any) -> None:
+        """Remember the storages handed to blocks: a saved tensor that shares one is
+        vLLM's buffer (overwritten later) and is copied; any other is the block's own."""
+        if self._served is None:
+            return
+        for t in leaves(value):
+            if isinstance(t, torch.Tensor):
+                self._served.add(t.untyped_storage().data_ptr())
+        if len(self._served) > SERVED_LIMIT:
+            self._served = None  # copy every saved tensor from now on (always correct)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether a block made ``t`` itself (no storage vLLM served), so saving it
+        needs no copy."""
+        return self._served is not None and t.untyped_storage().data_ptr() not in self._served
+
     def keep_logits(self, logits: torch.Tensor) -> None:
-        """Keep each traced request's logits row: samples come after logits, and
-        a block may read ``model.logits`` after touching ``model.samples``."""
+        """Keep the logits rows of requests with a block (the sampler edits logits in
+        place): samples come after logits, and a block may read ``model.logits``
+        after touching ``model.samples``. One copy of the rows' range per step, not
+        one per request."""
         layout = self.layout
-        for req_id, row in layout.rows.items():
-            if any(s.active and not s.batched for s in self.sessions.get(req_id, ())):
-                layout.logits[req_id] = logits[row : row + 1].clone()
+        rows = [row for req_id, row in layout.rows.items()
+                if any(s.active and not s.batched for s in self.sessions.get(req_id, ()))]
+        if rows:
+            layout.kept_from = min(rows)
+            layout.kept_logits = logits[layout.kept_from : max(rows) + 1].clone()
 
     def late_value(self, session: RequestSession, wait: Wait) -> Any:
         """A location already passed this step that can still be read, else _NOTHING."""
         layout = self.layout
         if wait.kind != "logits" or layout is None or wait.step != session.step:
             return _NOTHING
-        kept = layout.logits.get(session.req_id)
-        if kept is None:
+        row = layout.rows.get(session.req_id)
+        kept = layout.kept_logits
+        if kept is None or row is None or not 0 <= row - layout.kept_from < kept.shape[0]:
             return _NOTHING
+        kept = kept[row - layout.kept_from : row - layout.kept_from + 1]
         if wait.value is not _NOTHING:
             raise InterventionFailure(
                 f"model.logits at step {wait.step} can no longer be replaced: this step's "
@@ -576,6 +614,7 @@ class Interleaver:
         waiting = self.waiters.get(key)
         if layout is None or not waiting:
             return
+        self._note_served(value)
         # a fresh list: blocks served here may park on this key again (a later step), and
         # removing served sessions one by one from a list of hundreds is quadratic
         keep: list[RequestSession] = []

@@ -4,9 +4,9 @@ The worker attaches each step's results to its ``ModelRunnerOutput``. Here, in
 the scheduler's ``update_from_output``, they are merged per request and stamped
 on the request's final ``EngineCoreOutput`` as ``kv_transfer_params["nnsight"]``
 (the one free-form per-request field that reaches ``RequestOutput`` and the
-OpenAI JSON). Tensor data travels as raw bytes (msgpack carries them as they
-are; no base64 in this hot loop); the OpenAI server makes them base64 in its own
-process (``serve.handlers``). A block that failed or called ``tracer.stop()``
+OpenAI JSON). The worker has already encoded the saves (tensor data as raw
+bytes, which msgpack carries as they are): this hot loop only forwards them; the
+OpenAI server makes them base64 in its own process (``serve.handlers``). A block that failed or called ``tracer.stop()``
 stops its request in the same step; other requests are untouched.
 """
 
@@ -57,13 +57,7 @@ def finalize(entry: dict[str, Any]) -> dict[str, Any]:
             f"the request ended while the block waited for {pending['desc']} (e.g. a stop string or "
             "an abort), so the block did not run to its end; values saved so far are returned"
         )
-    try:
-        return codec.encode_results(entry.get("saves") or {}, error, warnings, binary=True)
-    except TypeError as exc:
-        return codec.encode_results(
-            {}, {"type": "TypeError", "message": str(exc), "lineno": None, "line": "", "traceback": ""},
-            warnings,
-        )
+    return codec.results_of(entry.get("saves") or {}, error, warnings)  # encoded by the worker
 
 
 def _update_from_output(original: Callable) -> Callable:
@@ -89,7 +83,7 @@ def _update_from_output(original: Callable) -> Callable:
                 step_saves = entry.pop("step_saves", None)
                 if request is not None and compat.streams_saves(request):
                     # per-step delivery: what the block saved during this step
-                    partial = codec.encode_results(step_saves or {}, entry.get("error"), [], binary=True)
+                    partial = codec.results_of(step_saves or {}, entry.get("error"), [])
                     partial["step"] = entry.get("step", 0)
                     compat.stamp(eco, codec.PAYLOAD_KEY, partial)
                 elif request is not None and compat.has_stop_strings(request):

@@ -182,16 +182,23 @@ def load_code(env: dict[str, Any], resolve: Callable[[tuple], Any]) -> CodePaylo
 # ----------------------------------------------------------------- results
 
 
+def encode_saves(saves: dict[str, Any], binary: bool = False) -> dict[str, Any]:
+    """Saved values in their result form (JSON-safe unless ``binary``: then tensor data
+    is raw bytes, see :func:`.values.to_json`). Raises TypeError for a value the
+    format cannot carry."""
+    return {name: tagged.encode(v, binary) for name, v in saves.items()}
+
+
 def encode_results(
     saves: dict[str, Any], error: dict[str, Any] | None, warnings: list[str], binary: bool = False
 ) -> dict[str, Any]:
-    """The result dict stamped on the request's output (JSON-safe unless ``binary``:
-    then tensor data is raw bytes, see :func:`.values.to_json`)."""
-    return {
-        "saves": {name: tagged.encode(v, binary) for name, v in saves.items()},
-        "error": error,
-        "warnings": list(warnings),
-    }
+    """The result dict stamped on the request's output."""
+    return results_of(encode_saves(saves, binary), error, warnings)
+
+
+def results_of(encoded_saves: dict[str, Any], error: dict[str, Any] | None, warnings: list[str]) -> dict[str, Any]:
+    """The result dict from saves already encoded (by the worker, :func:`encode_saves`)."""
+    return {"saves": encoded_saves, "error": error, "warnings": list(warnings)}
 
 
 @dataclass

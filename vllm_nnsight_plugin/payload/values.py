@@ -56,13 +56,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _data(raw: bytes | memoryview, binary: bool) -> bytes | memoryview | str:
-    return raw if binary else base64.b64encode(raw).decode()
+def _data(raw: bytes | memoryview, binary: bool) -> bytes | str:
+    """Raw bytes (binary: they cross vLLM's pickle and msgpack boundaries as they are,
+    so one owned copy) or base64 text."""
+    return bytes(raw) if binary else base64.b64encode(raw).decode()
 
 
 def _bytes(t: torch.Tensor) -> bytes | memoryview:
-    """A tensor's little-endian bytes in C order: a view of its memory where possible
-    (msgpack writes a memoryview as bytes, so the engine core copies them once)."""
+    """A tensor's little-endian bytes in C order: a view of its memory where possible."""
     t = t.detach().to("cpu").contiguous()
     if not t.numel():
         return b""
