@@ -7,9 +7,10 @@ top functions by own time, the plugin's functions by cumulative time, and every
 place that made the CPU wait for the GPU during the workload's rep (CUDA sync
 debug mode; a wait per step defeats vLLM's async scheduling).
 
-    python3 benchmarks/gpu/profile_capture.py WORKLOAD [--taps] [--v1]
+    python3 benchmarks/gpu/profile_capture.py WORKLOAD [WORKLOAD ...] [--taps] [--v1]
 
-WORKLOAD: plain, prefill, every_token, steer, prefill_spec, every_token_spec, steer_spec.
+One engine serves every WORKLOAD named (one compile). WORKLOAD:
+plain, prefill, every_token, steer, prefill_spec, every_token_spec, steer_spec.
 --taps: compiled + CUDA graphs with layer 8 tapped (else eager); --v1: the V1 runner.
 """
 
@@ -29,7 +30,7 @@ import warnings
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("workload")
+    parser.add_argument("workloads", nargs="+")
     parser.add_argument("--taps", action="store_true")
     parser.add_argument("--v1", action="store_true")
     args = parser.parse_args()
@@ -50,19 +51,28 @@ def main() -> None:
     prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(headline.PLEN)]}
                for _ in range(headline.N)]
     sps = headline.workload_params()
-    for name in ("plain", args.workload):  # warm-up at full batch
+    for name in ["plain", *args.workloads]:  # warm-up at full batch
         llm.generate(prompts, sps[name], use_tqdm=False)
+    for workload in args.workloads:
+        print(f"===== {workload} =====", flush=True)
+        profile_one(llm, prompts, sps, workload, args)
+
+
+def profile_one(llm, prompts, sps, workload: str, args) -> None:
+    import headline
+    import torch
+
     walls = {}
-    for name in ("plain", args.workload):
+    for name in ("plain", workload):
         t = time.perf_counter()
         llm.generate(prompts, sps[name], use_tqdm=False)
         walls[name] = time.perf_counter() - t
-    print(f"wall: plain {walls['plain']:.3f}s, {args.workload} {walls[args.workload]:.3f}s "
-          f"(ratio {walls['plain'] / walls[args.workload]:.3f}); taps={args.taps} v1={args.v1}")
+    print(f"wall: plain {walls['plain']:.3f}s, {workload} {walls[workload]:.3f}s "
+          f"(ratio {walls['plain'] / walls[workload]:.3f}); taps={args.taps} v1={args.v1}")
 
     prof = cProfile.Profile()
     prof.enable()
-    llm.generate(prompts, sps[args.workload], use_tqdm=False)
+    llm.generate(prompts, sps[workload], use_tqdm=False)
     prof.disable()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
@@ -72,19 +82,31 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         return
+    # device time per kernel over one rep: is the step GPU-bound or waiting on the CPU?
+    from torch.profiler import ProfilerActivity, profile
+
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as kprof:
+        llm.generate(prompts, sps[workload], use_tqdm=False)
+    wall = time.perf_counter() - t
+    events = kprof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    print(f"kernels: {busy:.3f}s of device time in a {wall:.3f}s rep (profiled); top kernels:")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:20]:
+        print(f"{e.self_device_time_total / 1e3:10.1f} ms {e.count:8d}x  {e.key[:100]}")
     # where the CPU waited for the GPU (one rep): call sites, most frequent first
     sites: collections.Counter = collections.Counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            llm.generate(prompts, sps[args.workload], use_tqdm=False)
+            llm.generate(prompts, sps[workload], use_tqdm=False)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
         if "synchroniz" in str(w.message):
             sites[f"{w.filename}:{w.lineno}"] += 1
-    print(f"CUDA syncs during one {args.workload} rep ({headline.OLEN} steps): {sum(sites.values())}")
+    print(f"CUDA syncs during one {workload} rep ({headline.OLEN} steps): {sum(sites.values())}")
     for site, n in sites.most_common(25):
         print(f"{n:8d}  {site}")
 

@@ -58,11 +58,7 @@ case "$what" in
       .whl/anchors/run_all.sh > /tmp/anchors_run_all.sh
     AB_STEPS="${AB_STEPS:-stock_graph nn_taps}" OUT="$OUT" bash /tmp/anchors_run_all.sh 2>&1 \
       | tee "$OUT/anchors.log" | tail -40 ;;
-  profile)  # profile [--taps] [--v1] workload...: one file per workload
-    flags=(); names=()
-    for a in "$@"; do case "$a" in --*) flags+=("$a") ;; *) names+=("$a") ;; esac; done
-    [ ${#names[@]} -gt 0 ] || names=(prefill every_token)
-    for x in "${names[@]}"; do
-      python3 benchmarks/gpu/profile_capture.py "$x" "${flags[@]}" > "$OUT/profile_$x${flags[*]// /}.txt" 2>&1 || true
-    done ;;
+  profile)  # profile [--taps] [--v1] workload...: one engine, one file
+    python3 benchmarks/gpu/profile_capture.py "$@" > "$OUT/profile.txt" 2>&1 || true
+    grep -E "^(=====|wall:|kernels:|CUDA syncs)" "$OUT"/profile.txt || tail -20 "$OUT"/profile.txt ;;
 esac
