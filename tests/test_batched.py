@@ -69,9 +69,16 @@ def test_batched_steering_equals_the_same_steering_as_a_block(llama):
 
     (as_spec, as_block), plain = bit_identical_in_some_try(
         lambda: (run(), llm.generate(PROMPTS, [_params()] * len(PROMPTS), use_tqdm=False)),
-        lambda runs, plain: _seen(runs[0]) == _seen(runs[1]) and _seen(runs[0])[3] == _seen(plain)[3])
-    assert _seen(as_spec) == _seen(as_block)  # row for row, step for step
-    assert _seen(as_spec)[3] == _seen(plain)[3]  # the untraced neighbour
+        lambda runs, plain: _seen(runs[0])[3] == _seen(plain)[3])
+    # the same edit, row for row and step for step: the same tokens; logprobs equal up to
+    # the last bits, which on a GPU depend on how each generate() call's batches formed
+    # (the two calls are separate runs; see bit_identical_in_some_try)
+    for (tok_s, lp_s), (tok_b, lp_b) in zip(_seen(as_spec), _seen(as_block)):
+        assert tok_s == tok_b
+        for step_s, step_b in zip(lp_s, lp_b, strict=True):
+            assert step_s.keys() == step_b.keys()
+            assert all(abs(step_s[t] - step_b[t]) <= 1e-5 for t in step_s)
+    assert _seen(as_spec)[3] == _seen(plain)[3]  # the untraced neighbour: bit for bit
     assert all(_seen(as_spec)[i] != _seen(plain)[i] for i in (0, 1, 2, 4))
     for out in as_spec[:3]:
         assert results(out) == {}

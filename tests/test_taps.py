@@ -153,7 +153,12 @@ def test_batched_spec_steering_at_a_tap_equals_the_block(tapped):
     llm = tapped.vllm_entrypoint
     prompts = ["The capital of Japan is", "Hello world!", "One two three four"]
     spec = _spec(VEC_A)
+    before = _lane_stats(llm)
     as_spec = llm.generate(prompts, [_params(spec), _params(), _params(spec)], use_tqdm=False)
+    after = _lane_stats(llm)
+    # every step's steering ran in the tap op's lane kernels (which a full CUDA graph
+    # replays), none through Python
+    assert after["lane"] >= before["lane"] + 5 and after["python"] == before["python"]
     as_block = llm.generate(prompts, [_params(make_payload(_block_a)), _params(), _params(make_payload(_block_a))],
                             use_tqdm=False)
     # exact tokens; logprobs to 1e-5: on the H200 (compiled, V2) they differed in the last
@@ -163,6 +168,58 @@ def test_batched_spec_steering_at_a_tap_equals_the_block(tapped):
         for step_s, step_b in zip(lps_s, lps_b):
             assert step_s.keys() == step_b.keys()
             assert all(abs(step_s[t] - step_b[t]) <= 1e-5 for t in step_s)
+
+
+def _lane_stats(llm) -> dict:
+    return llm.collective_rpc("nnsight_lane_stats")[0]
+
+
+def _reads(steps: str, edit_first: bool | None = None, layer: int = 2) -> str:
+    ops = [{"op": "read", "name": "hidden", "module": f"model.layers.{layer}", "index": 0, "steps": steps},
+           {"op": "read", "name": "residual", "module": f"model.layers.{layer}", "index": 1, "steps": steps}]
+    if edit_first is not None:
+        add = {"op": "add", "module": f"model.layers.{layer}", "index": 0, "value": [0.5] * 128, "steps": "all"}
+        ops = [add, *ops] if edit_first else [*ops, add]
+    return json.dumps({"v": 1, "kind": "spec", "ops": ops})
+
+
+def test_batched_reads_at_every_step_through_lanes_equal_hugging_face(tapped, hf_llama):
+    """Whole-row reads of both halves of a layer's output at every step, batched over
+    requests and served by the lanes (a full CUDA graph on a GPU keeps them)."""
+    from test_batched import _params
+
+    llm = tapped.vllm_entrypoint
+    prompts = ["The capital of Japan is", "Hello world!"]
+    before = _lane_stats(llm)
+    outs = llm.generate(prompts, [_params(_reads("all")), _params(), ], use_tqdm=False)
+    after = _lane_stats(llm)
+    assert after["lane"] > before["lane"] and after["python"] == before["python"]
+    saved = results(outs[0])
+    ids = list(outs[0].prompt_token_ids) + list(outs[0].outputs[0].token_ids)
+    with torch.no_grad():
+        hf = hf_llama(torch.tensor([ids]), output_hidden_states=True).hidden_states[3][0]
+    n = len(outs[0].prompt_token_ids)
+    assert len(saved["hidden"]) == 5 and saved["hidden"][0].shape[0] == n
+    stream = torch.cat([h + r for h, r in zip(saved["hidden"], saved["residual"])])
+    assert_close(stream, hf[: n + 4])  # the prompt, then one row per generated token (the last is not fed back)
+    assert results(outs[1]) == {}
+
+
+def test_a_read_ordered_before_an_edit_of_its_tensor_runs_in_python(tapped):
+    """Lanes apply edits before reads; a spec that reads first is served by Python,
+    in its own order: its prefill read is the unedited value."""
+    from test_batched import _params
+
+    llm = tapped.vllm_entrypoint
+    prompt = ["The capital of Japan is"]
+    plain = results(llm.generate(prompt, [_params(_reads("prefill"))], use_tqdm=False)[0])
+    before = _lane_stats(llm)
+    read_first = results(llm.generate(prompt, [_params(_reads("prefill", edit_first=False))], use_tqdm=False)[0])
+    after = _lane_stats(llm)
+    assert after["python"] > before["python"]
+    assert torch.equal(read_first["hidden"], plain["hidden"])
+    edit_first = results(llm.generate(prompt, [_params(_reads("prefill", edit_first=True))], use_tqdm=False)[0])
+    assert torch.allclose(edit_first["hidden"], plain["hidden"] + 0.5)
 
 
 def test_engine_wide_edits_at_taps(tapped):

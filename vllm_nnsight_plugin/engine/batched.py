@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import lanes, taps
 from .host import host_copy
 from .spec_runner import _tensor, pick_index
 
@@ -67,7 +68,10 @@ class BatchedEdits:
         self.inter = inter
         self.at: dict[tuple, list[Entry]] = defaultdict(list)
         self.served: set[tuple] = set()  # locations applied this step
+        self.laned: dict[tuple, tuple] = {}  # locations the lanes serve this step -> (parts, code, reads)
         self._values: dict[tuple[int, torch.dtype], tuple[dict[str, Any], torch.Tensor]] = {}
+        self._version = 0  # bumped when entries change (caches lanes_cover)
+        self._cover: tuple[int, bool] = (-1, False)
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
         """Register a request's ops (applied in block then spec order per location)."""
@@ -82,11 +86,15 @@ class BatchedEdits:
             entries.append(((id(envoy._module), kind), Entry(session, op, number, block)))
         for key, entry in entries:  # all ops checked first: a refused spec registers nothing
             self.at[key].append(entry)
+        self._version += 1
 
     def prune(self) -> None:
         """Drop entries of finished or failed requests."""
         for key in list(self.at):
             alive = [e for e in self.at[key] if e.session.active and not e.session.ended]
+            if len(alive) == len(self.at[key]):
+                continue
+            self._version += 1
             if alive:
                 self.at[key] = alive
             else:
@@ -96,6 +104,9 @@ class BatchedEdits:
         """Apply every batched edit registered at ``key`` to this step's rows."""
         layout = self.inter.layout
         self.served.add(key)
+        if key in self.laned:  # the tap op's lane kernels applied them (see finish_lanes)
+            return
+        lanes.STATS["python"] += 1
         groups: dict[tuple[int, int, int], tuple[Entry, list[tuple[int, int]], list[RequestSession]]] = {}
         for entry in self.at.get(key, ()):
             session = entry.session
@@ -120,6 +131,133 @@ class BatchedEdits:
                 where = f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']})"
                 for session in sessions:
                     session.fail(f"{where}: {exc}")
+
+    # ------------------------------------------------------------ lanes
+    def lanes_cover(self, num_tokens: int) -> bool:
+        """Whether the lanes can serve every batched spec in a step of ``num_tokens``
+        (then the step needs no Python in the forward and may replay a full graph)."""
+        if not lanes.enabled() or num_tokens > lanes._cap:
+            return False
+        if self._cover[0] != self._version:
+            self._cover = (self._version, all(self._lane_groups(key, entries, None) is not None
+                                              for key, entries in self.at.items()))
+        return self._cover[1]
+
+    def fill_lanes(self, layout: Any) -> None:
+        """Before the forward: each laneable location's slot per row and slot tables."""
+        self.laned = {}
+        if not self.at or not lanes.enabled() or layout.num_tokens > lanes._cap:
+            return
+        for key, entries in self.at.items():
+            plan = self._lane_groups(key, entries, layout)
+            if plan is None:
+                continue
+            parts, code, edits, reads = plan
+            try:
+                for part, groups in edits.items():
+                    lane = parts[part]
+                    ops = tuple(entry.op for _, entry, _, _ in groups)
+                    if len(ops) != len(lane.slot_keys) or any(a is not b for a, b in zip(ops, lane.slot_keys)):
+                        lane.slot_keys = ()
+                        for slot, op in enumerate(ops, 1):
+                            value = self._value(op, lane.read) if op["op"] in ("add", "set") else None
+                            lane.set_slot(slot, op["op"], value, float(op.get("factor", 1.0)))
+                        lane.slot_keys = ops
+                    lane.set_rows([(start, end, slot) for slot, (_, _, spans, _) in enumerate(groups, 1)
+                                   for start, end in spans])
+            except Exception as exc:  # noqa: BLE001 - a bad value ends the requests that sent it
+                for groups in edits.values():
+                    for _, entry, _, sessions in groups:
+                        for session in sessions:
+                            session.fail(f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']}): {exc}")
+                for lane in parts:
+                    lane.done()
+                continue
+            for _, entry, _, _ in reads:
+                for part in self._read_parts(entry.op, code):
+                    parts[part].reading = True
+            self.laned[key] = (parts, code, reads)
+
+    def finish_lanes(self, layout: Any) -> None:
+        """After the forward: lane reads to the host (as :meth:`_read`), lanes reset."""
+        laned, self.laned = self.laned, {}
+        for key, (parts, code, reads) in laned.items():
+            self.served.add(key)
+            lanes.STATS["lane"] += 1
+            if lanes.take_failed(self.inter.lane_site_name(key)):
+                for entry in self.at.get(key, ()):
+                    if entry.session.active and entry.session.req_id in layout.spans:
+                        entry.session.fail(f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']}): "
+                                           "the tap's batched kernels failed this step (see the server log)")
+            else:
+                value = taps.rebuild(code, [lane.read[: layout.num_tokens] for lane in parts])
+                for _, entry, spans, sessions in reads:
+                    try:
+                        self._read(entry.op, value, spans, sessions, layout.num_tokens)
+                    except Exception as exc:  # noqa: BLE001 - as in apply
+                        for session in sessions:
+                            session.fail(f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']}): {exc}")
+            for lane in parts:
+                lane.done()
+
+    @staticmethod
+    def _read_parts(op: dict[str, Any], code: str) -> list[int]:
+        if op.get("index") is None:
+            return list(range(code.count("T")))
+        part = lanes.part_of(code, op["index"])
+        return [] if part is None else [part]
+
+    def _lane_groups(self, key: tuple, entries: list[Entry], layout: Any) -> tuple | None:
+        """How the lanes serve a location's entries this step (``layout`` None: any
+        step): ``(parts, code, edits per part, reads)``, or None when they cannot
+        (no lanes there, two edits of one request's tensor, a read ordered before
+        an edit of its tensor, more than lanes.SLOTS distinct edits)."""
+        found = self.inter.lane_site(key)
+        if found is None:
+            return None
+        parts, code = found
+        if any(lane is None for lane in parts):
+            return None
+        groups: dict[tuple, tuple[Entry, list, list]] = {}
+        for entry in entries:
+            session = entry.session
+            if not session.active:
+                continue
+            span = None
+            if layout is not None:
+                span = layout.spans.get(session.req_id)
+                if span is None or not _due(entry.op, session.step):
+                    continue
+            gkey = (entry.block, entry.number, id(entry.op))
+            group = groups.get(gkey)
+            if group is None:
+                group = groups[gkey] = (entry, [], [])
+            group[1].append(span)
+            group[2].append(session)
+        edits: dict[int, list[tuple]] = {}
+        reads: list[tuple] = []
+        read_parts: set[int] = set()
+        edited: set[tuple[int, str]] = set()
+        for gkey in sorted(groups):
+            entry, spans, sessions = groups[gkey]
+            if entry.op["op"] == "read":
+                touched = self._read_parts(entry.op, code)
+                if not touched:
+                    return None
+                read_parts.update(touched)
+                reads.append((gkey, entry, spans, sessions))
+                continue
+            part = lanes.part_of(code, entry.op.get("index"))
+            if part is None or part in read_parts:
+                return None
+            for session in sessions:
+                if (part, session.req_id) in edited:
+                    return None
+                edited.add((part, session.req_id))
+            edits.setdefault(part, []).append((gkey, entry, spans, sessions))
+            if len(edits[part]) > lanes.SLOTS:
+                return None
+        return parts, code, edits, reads
 
     def check_reached(self, layout: Any) -> None:
         """End of step: an edit whose location the forward never served did not apply

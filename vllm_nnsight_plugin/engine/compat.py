@@ -158,6 +158,12 @@ def compiles_piecewise(vllm_config: Any) -> bool:
     return getattr(comp, "mode", None) is not None and int(comp.mode) == 3
 
 
+def max_graph_batch(vllm_config: Any) -> int:
+    """Tokens in vLLM's largest CUDA-graph batch (512 where there are none, e.g. CPU)."""
+    size = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
+    return int(size) if size else 512
+
+
 def add_splitting_op(vllm_config: Any, op_name: str) -> bool:
     """Make vLLM split its compiled graph at ``op_name`` (the op then runs eagerly
     between CUDA-graph pieces). Must run before the first compile (model load).

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..payload import codec
-from . import batched, compat, host, taps
+from . import batched, compat, host, lanes, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait, engine_error, to_host
@@ -129,6 +129,7 @@ class Interleaver:
         self.report_every_step: set[str] = set()
         self._reported: dict[str, tuple] = {}
         self._served: set[int] | None = set()  # storages served to blocks (see owns)
+        self._lane_keys: dict[tuple, tuple[str, str]] = {}  # location key -> (tap site, code)
         self._ancestor_cache: dict[int, list[torch.nn.Module]] = {}
         self.edits: dict[str, tuple[str | None, dict[str, Any]]] = {}  # engine-wide: id -> (name, payload)
         self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
@@ -313,8 +314,10 @@ class Interleaver:
 
     # ------------------------------------------------------------ steps
     def begin_step(self, layout: StepLayout) -> None:
-        """Start new blocks and wake blocks waiting for this step."""
+        """Fill the lanes of batched specs, start new blocks and wake blocks waiting
+        for this step."""
         self.layout = layout
+        self.batched.fill_lanes(layout)
         for req_id in layout.spans:
             for session in self.sessions.get(req_id, ()):
                 if not session.active or session.batched:
@@ -331,6 +334,7 @@ class Interleaver:
         layout = self.layout
         if layout is None:
             return {}
+        self.batched.finish_lanes(layout)
         self.batched.check_reached(layout)
         for req_id in layout.spans:
             blocks = self.sessions.get(req_id)
@@ -549,17 +553,41 @@ class Interleaver:
         if self.layout is not None and (self.waiters.get(key) or key in self.batched.at):
             self.serve(key, taps.rebuild(code, xs))
 
-    def needs_python(self, req_ids: Any) -> bool:
-        """Whether a block of these requests may touch a tap this step (the step must
-        then run the tap op: piecewise graphs or eager, not a full graph)."""
-        for req_id in req_ids:
+    def needs_python(self, scheduled: dict[str, int]) -> bool:
+        """Whether a block of these requests may touch a tap this step, or a batched
+        spec needs more than its lanes give (the step must then run the tap op's
+        Python: piecewise graphs or eager, not a full graph). ``scheduled``: tokens
+        per request this step."""
+        lanes_checked = False
+        for req_id in scheduled:
             for session in self.sessions.get(req_id, ()):
                 if not session.active:
                     continue
+                if session.batched:
+                    if not lanes_checked:
+                        if not self.batched.lanes_cover(sum(scheduled.values())):
+                            return True
+                        lanes_checked = True
+                    continue
                 wait = session.wait
-                if session.batched or wait is None or wait.kind != "step" or wait.step <= session.step:
+                if wait is None or wait.kind != "step" or wait.step <= session.step:
                     return True
         return False
+
+    def lane_site(self, key: tuple) -> tuple[list, str] | None:
+        """The lanes and value code of the tap site at ``key`` (None: no lanes there)."""
+        if len(self._lane_keys) != len(lanes._sites):
+            for site in list(lanes._sites):
+                path, kind, code = taps.parse_site(site)
+                self._lane_keys[(id(self.envoy_at(path)._module), kind)] = (site, code)
+        found = self._lane_keys.get(key)
+        if found is None:
+            return None
+        parts = lanes.lanes_at(found[0])
+        return (parts, found[1]) if parts is not None else None
+
+    def lane_site_name(self, key: tuple) -> str:
+        return self._lane_keys[key][0]
 
     def _note_served(self, value: Any) -> None:
         """Remember the storages handed to blocks: a saved tensor that shares one is

@@ -51,6 +51,14 @@ def nnsight_stats(self: Any) -> dict[str, int]:
     }
 
 
+def nnsight_lane_stats(self: Any) -> dict[str, int]:
+    """Location-steps of batched specs served by lanes (inside the forward's own
+    kernels) and by Python (the tap op's handler or a hook), since start."""
+    from . import lanes
+
+    return dict(lanes.STATS)
+
+
 def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str) -> bool:
     """Install an engine-wide edit (between steps: RPCs never run during a forward)."""
     from .runner_v1 import interleaver_of
@@ -79,6 +87,7 @@ def install_engine_core(engine_core_cls: type) -> None:
 
 
 def install(worker_cls: type) -> None:
-    for fn in (nnsight_module_tree, nnsight_probe, nnsight_stats, nnsight_install_edit, nnsight_clear_edits):
+    for fn in (nnsight_module_tree, nnsight_probe, nnsight_stats, nnsight_lane_stats, nnsight_install_edit,
+               nnsight_clear_edits):
         if fn.__name__ not in worker_cls.__dict__:
             setattr(worker_cls, fn.__name__, fn)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..payload.tapset import TapSet, from_settings
+from . import lanes
 
 OP_NAME = "nnsight::tap"
 SITES = "_nnsight_tap_sites"  # runner attribute: the tapped (path, kind) pairs of its model
@@ -42,7 +43,9 @@ def set_handler(handler: Callable[[str, list[torch.Tensor]], None] | None) -> No
 
 def _tap(xs: list[torch.Tensor], site: str) -> None:
     """Hand the live tensors of a location to the interleaver (which may edit them
-    in place). Opaque to the compiler: vLLM splits its graph here."""
+    in place). Opaque to the compiler: vLLM splits its graph here. The site's
+    lanes (batched specs, also inside full CUDA graphs) run first."""
+    lanes.guarded_run(site, xs)
     if _handler is not None:
         try:
             _handler(site, xs)
@@ -148,6 +151,8 @@ def on_model_loaded(runner: Any) -> None:
     # how a step whose blocks may touch a tap must run: piecewise graphs (the op runs
     # between pieces) where the graph is split at it, else without graphs
     runner.__dict__["_nnsight_tap_mode"] = "piecewise" if split else "eager"
+    if compat.additional_config(config).get("lanes", True):
+        lanes.enable(compat.max_graph_batch(config))
     sites = install(model, tapset)
     if not sites:
         log.error("taps %s match no module of %s", tapset.describe(), type(model).__name__)
@@ -155,10 +160,11 @@ def on_model_loaded(runner: Any) -> None:
     log.info("taps: %d locations (%s)", len(sites), tapset.describe())
 
 
-def step_graph_mode(runner: Any, req_ids: Iterable[str]) -> str | None:
+def step_graph_mode(runner: Any, scheduled: dict[str, int]) -> str | None:
     """None (vLLM's own choice), or "piecewise"/"eager" when a parked block of this
-    step may touch a tap: the tap op must run, so no full CUDA graph."""
+    step may touch a tap (or a batched spec its lanes cannot serve): the tap op's
+    Python must run, so no full CUDA graph. ``scheduled``: tokens per request."""
     inter = runner.__dict__.get("_nnsight_interleaver")
-    if not runner.__dict__.get(SITES) or inter is None or not inter.needs_python(req_ids):
+    if not runner.__dict__.get(SITES) or inter is None or not inter.needs_python(scheduled):
         return None
     return runner.__dict__.get("_nnsight_tap_mode", "eager")

@@ -1,0 +1,182 @@
+"""Lanes: batched spec edits and reads that run inside full CUDA graphs.
+
+A tapped step normally leaves vLLM's full CUDA graph for piecewise graphs so the
+tap op's Python can run. A step whose traced requests only carry batched specs
+(a steering vector, an ablation, whole-row reads) needs no Python in the
+forward: the tap op's own kernels apply them from device tables the worker
+fills before the step, so the step keeps the full graph.
+
+Per tapped tensor (a *part*: ``output[0]`` of a decoder layer) a lane holds a
+slot per row of the batch (``sel``; 0 leaves the row untouched) and, per slot,
+a mask, a scale and an offset:
+
+    x[:] = where(mask[sel], x * scale[sel] + offset[sel], x);  read[:n] = x
+
+``add`` is (1, v), ``scale`` (f, -0.0), ``zero`` (0, 0), ``set`` (0, v); the
+arithmetic runs in fp32 and rounds once, as PyTorch's own in-place ops do, so
+the result equals the eager path's; untouched rows are copied as they are (bit
+for bit). These kernels are recorded when vLLM captures its full graphs and
+replay on every step: a few small kernels per tapped tensor per step (the
+price of keeping full graphs; ``--additional-config '{"nnsight": {"lanes":
+false}}'`` turns lanes off). Outside graph replay (eager or piecewise steps)
+they run only on steps that use them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+SLOTS = 16  # distinct edit operations per tapped tensor per step (slot 0: untouched rows)
+
+_cap = 0  # rows a lane holds (vLLM's largest CUDA-graph batch); 0: lanes off
+_sites: dict[str, list[PartLane | None]] = {}  # tap site -> a lane per tensor of its value
+_not_in_graphs: set[str] = set()  # sites captured into a full graph before their lanes existed
+_failed: set[str] = set()  # sites whose lane kernels raised this step
+STATS = {"lane": 0, "python": 0}  # location-steps of batched specs served by lanes / by Python
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+
+def enable(rows: int) -> None:
+    """Turn lanes on (the runner's model is tapped and compiled), ``rows`` per lane."""
+    global _cap
+    _cap = max(int(rows), 1)
+
+
+def enabled() -> bool:
+    return _cap > 0
+
+
+class PartLane:
+    """Device tables and read buffer for one tapped tensor (fixed addresses: a full
+    CUDA graph captured them)."""
+
+    def __init__(self, like: torch.Tensor, rows: int):
+        device, inner = like.device, tuple(like.shape[1:])
+        ones = (1,) * len(inner)
+        self.rows, self.dtype, self.inner = rows, like.dtype, inner
+        self.sel = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.mask = torch.zeros((SLOTS + 1, *ones), dtype=torch.bool, device=device)
+        self.scale = torch.ones((SLOTS + 1, *ones), dtype=torch.float32, device=device)
+        self.offset = torch.zeros((SLOTS + 1, *inner), dtype=torch.float32, device=device)
+        self.read = torch.zeros((rows, *inner), dtype=like.dtype, device=device)
+        pin = device.type == "cuda"
+        self._staging = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._events: list[Any] = [None, None]
+        self._turn = 0
+        self.editing = False  # sel holds slots this step
+        self.reading = False  # a read wants this step's rows
+        self.slot_keys: tuple = ()  # what the tables hold (re-uploaded when it changes)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and tuple(x.shape[1:]) == self.inner and x.shape[0] <= self.rows
+
+    def kernels(self, x: torch.Tensor) -> None:
+        n = x.shape[0]
+        idx = self.sel[:n]
+        y = torch.addcmul(self.offset.index_select(0, idx), x.float(), self.scale.index_select(0, idx))
+        x.copy_(torch.where(self.mask.index_select(0, idx), y.to(x.dtype), x))
+        self.read[:n].copy_(x)
+
+    def set_rows(self, spans_slots: list[tuple[int, int, int]]) -> None:
+        """Slot per row for this step (rows not named stay 0)."""
+        i = self._turn = 1 - self._turn
+        if self._events[i] is not None:
+            self._events[i].synchronize()  # its copy two steps ago has long landed
+        host = self._staging[i]
+        rows = host.numpy()
+        rows[:] = 0
+        for start, end, slot in spans_slots:
+            rows[start:end] = slot
+        self.sel.copy_(host, non_blocking=True)
+        if self.sel.device.type == "cuda":
+            self._events[i] = torch.cuda.Event()
+            self._events[i].record()
+        self.editing = True
+
+    def set_slot(self, slot: int, kind: str, value: torch.Tensor | None, factor: float = 1.0) -> None:
+        self.mask[slot].fill_(True)
+        if kind == "add":
+            self.scale[slot].fill_(1.0)
+            self.offset[slot].copy_(value.float().reshape(-1, *self.inner)[0] if value.dim() else value.float())
+        elif kind == "scale":
+            self.scale[slot].fill_(factor)
+            self.offset[slot].fill_(-0.0)
+        elif kind == "zero":
+            self.scale[slot].fill_(0.0)
+            self.offset[slot].fill_(0.0)
+        else:  # set
+            self.scale[slot].fill_(0.0)
+            self.offset[slot].copy_(value.float().reshape(-1, *self.inner)[0] if value.dim() else value.float())
+
+    def done(self) -> None:
+        """End of the step: untraced steps replay these kernels too, so sel goes back to 0."""
+        if self.editing:
+            self.sel.zero_()
+        self.editing = self.reading = False
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def run(site: str, xs: list[torch.Tensor]) -> None:
+    """In the tap op, before its Python handler: this site's lane kernels."""
+    if not _cap:
+        return
+    capturing = _capturing()
+    parts = _sites.get(site)
+    if parts is None:
+        if capturing:  # a full graph without this site's lanes: never use them
+            _not_in_graphs.add(site)
+            return
+        parts = _sites[site] = [PartLane(x, _cap) if x.is_floating_point() and x.dim() >= 2 else None
+                                for x in xs]
+    for lane, x in zip(parts, xs):
+        if lane is not None and (capturing or lane.editing or lane.reading) and lane.fits(x):
+            lane.kernels(x)
+
+
+def guarded_run(site: str, xs: list[torch.Tensor]) -> None:
+    """:func:`run`, never breaking vLLM's forward: a failure is reported on the
+    requests the lanes served this step (:func:`take_failed`)."""
+    try:
+        run(site, xs)
+    except Exception:  # noqa: BLE001
+        logger.exception("lanes at %s failed", site)
+        _failed.add(site)
+
+
+def take_failed(site: str) -> bool:
+    if site in _failed:
+        _failed.discard(site)
+        return True
+    return False
+
+
+def lanes_at(site: str) -> list[PartLane | None] | None:
+    """The site's lanes, if every full graph holds them."""
+    if not _cap or site in _not_in_graphs:
+        return None
+    return _sites.get(site)
+
+
+def part_of(code: str, index: int | None) -> int | None:
+    """Which tensor of a site's value (its code, see taps) ``index`` picks; None
+    when it picks no single tensor."""
+    if code == "T":
+        return 0 if index is None else None
+    if index is None or not 0 <= index < len(code) - 1 or code[1 + index] != "T":
+        return None
+    return code[1 : 1 + index].count("T")
+
+
+def reset() -> None:
+    """Forget every lane (tests; a new model)."""
+    global _cap
+    _cap = 0
+    _sites.clear()
+    _not_in_graphs.clear()
+    _failed.clear()
