@@ -70,7 +70,8 @@ class BatchedEdits:
         self.served: set[tuple] = set()  # locations applied this step
         self.laned: dict[tuple, tuple] = {}  # locations the lanes serve this step -> (parts, code, reads)
         self._values: dict[tuple[int, torch.dtype], tuple[dict[str, Any], torch.Tensor]] = {}
-        self._version = 0  # bumped when entries change (caches lanes_cover)
+        self._version = 0  # bumped when entries change (caches lanes_cover, lane plans)
+        self._lane_cache: dict[tuple, tuple[int, tuple | None]] = {}
         self._cover: tuple[int, bool] = (-1, False)
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
@@ -209,43 +210,62 @@ class BatchedEdits:
 
     def _lane_groups(self, key: tuple, entries: list[Entry], layout: Any) -> tuple | None:
         """How the lanes serve a location's entries this step (``layout`` None: any
-        step): ``(parts, code, edits per part, reads)``, or None when they cannot
-        (no lanes there, two edits of one request's tensor, a read ordered before
-        an edit of its tensor, more than lanes.SLOTS distinct edits)."""
+        step): ``(parts, code, edits per part, reads)`` with each group's
+        ``(gkey, entry, spans, sessions)``, or None when they cannot (see
+        :meth:`_lane_plan`). The plan is cached until the entries change; a step
+        only picks its rows."""
+        cached = self._lane_cache.get(key)
+        if cached is None or cached[0] != self._version:
+            cached = self._lane_cache[key] = (self._version, self._lane_plan(key, entries))
+        plan = cached[1]
+        if plan is None or layout is None:
+            return plan
+        parts, code, edits, reads = plan
+        spans_of = layout.spans
+
+        def pick(groups: list[tuple]) -> list[tuple]:
+            out = []
+            for gkey, entry, sessions in groups:
+                spans, due = [], []
+                for session in sessions:
+                    span = spans_of.get(session.req_id)
+                    if span is not None and session.active and _due(entry.op, session.step):
+                        spans.append(span)
+                        due.append(session)
+                if due:
+                    out.append((gkey, entry, spans, due))
+            return out
+
+        step_edits = {part: picked for part, groups in edits.items() if (picked := pick(groups))}
+        return parts, code, step_edits, pick(reads)
+
+    def _lane_plan(self, key: tuple, entries: list[Entry]) -> tuple | None:
+        """The lanes' plan for a location's active entries, or None when they cannot
+        serve them: no lanes there, two edits of one request's tensor, a read
+        ordered before an edit of its tensor, more than lanes.SLOTS distinct edits."""
         found = self.inter.lane_site(key)
         if found is None:
             return None
         parts, code = found
         if any(lane is None for lane in parts):
             return None
-        groups: dict[tuple, tuple[Entry, list, list]] = {}
+        groups: dict[tuple, tuple[Entry, list]] = {}
         for entry in entries:
-            session = entry.session
-            if not session.active:
-                continue
-            span = None
-            if layout is not None:
-                span = layout.spans.get(session.req_id)
-                if span is None or not _due(entry.op, session.step):
-                    continue
-            gkey = (entry.block, entry.number, id(entry.op))
-            group = groups.get(gkey)
-            if group is None:
-                group = groups[gkey] = (entry, [], [])
-            group[1].append(span)
-            group[2].append(session)
+            if entry.session.active:
+                gkey = (entry.block, entry.number, id(entry.op))
+                groups.setdefault(gkey, (entry, []))[1].append(entry.session)
         edits: dict[int, list[tuple]] = {}
         reads: list[tuple] = []
         read_parts: set[int] = set()
         edited: set[tuple[int, str]] = set()
         for gkey in sorted(groups):
-            entry, spans, sessions = groups[gkey]
+            entry, sessions = groups[gkey]
             if entry.op["op"] == "read":
                 touched = self._read_parts(entry.op, code)
                 if not touched:
                     return None
                 read_parts.update(touched)
-                reads.append((gkey, entry, spans, sessions))
+                reads.append((gkey, entry, sessions))
                 continue
             part = lanes.part_of(code, entry.op.get("index"))
             if part is None or part in read_parts:
@@ -254,7 +274,7 @@ class BatchedEdits:
                 if (part, session.req_id) in edited:
                     return None
                 edited.add((part, session.req_id))
-            edits.setdefault(part, []).append((gkey, entry, spans, sessions))
+            edits.setdefault(part, []).append((gkey, entry, sessions))
             if len(edits[part]) > lanes.SLOTS:
                 return None
         return parts, code, edits, reads

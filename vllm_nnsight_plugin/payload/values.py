@@ -99,10 +99,18 @@ def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
 
 
 def encode_tensors(ts: list[torch.Tensor], binary: bool = False) -> dict[str, Any]:
-    """Same-dtype tensors as one buffer: per-step rows cost one encode, not one each."""
+    """Same-dtype tensors as one buffer: per-step rows cost one encode, not one each.
+    Binary host tensors are concatenated straight into the returned ``bytearray``
+    (one copy of the bytes, not a concatenation and then a copy)."""
     name = _dtype_name(ts[0].dtype)
-    flat = torch.cat([t.detach().reshape(-1) for t in ts])
-    return {"dtype": name, "shapes": [list(t.shape) for t in ts], "data": _data(_bytes(flat), binary)}
+    shapes = [list(t.shape) for t in ts]
+    parts = [t.detach().reshape(-1) for t in ts]
+    total = sum(p.numel() for p in parts)
+    if binary and total and sys.byteorder == "little" and all(p.device.type == "cpu" for p in parts):
+        data = bytearray(total * ts[0].element_size())
+        torch.cat(parts, out=torch.frombuffer(data, dtype=ts[0].dtype))
+        return {"dtype": name, "shapes": shapes, "data": data}
+    return {"dtype": name, "shapes": shapes, "data": _data(_bytes(torch.cat(parts)), binary)}
 
 
 def decode_tensors(obj: dict[str, Any]) -> list[torch.Tensor]:
