@@ -19,7 +19,8 @@ from typing import Any
 
 from ..payload import codec
 from . import compat, taps
-from .interleave import Interleaver, StepLayout
+from .interleave import Interleaver
+from .rows import StepLayout
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import compat, taps
-from .interleave import StepLayout
+from .rows import StepLayout
 from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
 
 _BATCH = "_nnsight_input_batch"  # this step's InputBatch, until sample_tokens

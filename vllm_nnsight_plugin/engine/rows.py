@@ -1,0 +1,66 @@
+"""A request's rows of vLLM's flat token batch: the step layout the runner adapters
+publish, narrowing a module value to one request's rows, and assigning into them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .tree import leaves, map_tensors
+
+
+@dataclass
+class StepLayout:
+    """Rows of this step's flat batch per request."""
+
+    spans: dict[str, tuple[int, int]]  # req_id -> [start, end) token rows
+    rows: dict[str, int]  # req_id -> index among the step's requests (logits/samples row)
+    num_tokens: int  # leading size of activation tensors (including any padding)
+    kept_logits: Any = None  # a copy of this step's logits rows kept_from.. (see keep_logits)
+    kept_from: int = 0
+    sampled: Any = None  # this step's sampled token ids (device tensor), once sampled
+    sampled_cpu: list | None = None
+    logits_seen: bool = False
+
+    def sampled_token(self, req_id: str) -> int:
+        """This step's token for a request (one device-to-host copy per step, on demand)."""
+        if self.sampled_cpu is None:
+            self.sampled_cpu = self.sampled.reshape(len(self.rows), -1)[:, 0].tolist()
+        return int(self.sampled_cpu[self.rows[req_id]])
+
+
+def narrow(value: Any, start: int, end: int, num_tokens: int) -> Any:
+    """The request's rows of a module value: views, so in-place edits land."""
+    return map_tensors(value, lambda t: t[start:end] if t.dim() > 0 and t.shape[0] == num_tokens else t)
+
+
+def _per_token(value: Any, num_tokens: int) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == num_tokens for t in leaves(value))
+
+
+def assign_into(target: Any, value: Any, where: str) -> None:
+    """Write ``value`` into the view ``target`` (shape-checked, broadcasting allowed)."""
+    if isinstance(target, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value, dtype=target.dtype, device=target.device)
+        try:
+            target.copy_(value.to(device=target.device))
+        except RuntimeError as exc:
+            raise ValueError(
+                f"cannot assign a tensor of shape {tuple(value.shape)} to {where} "
+                f"of shape {tuple(target.shape)}: {exc}"
+            ) from None
+        return
+    if isinstance(target, (tuple, list)):
+        if not isinstance(value, (tuple, list)) or len(value) != len(target):
+            raise ValueError(
+                f"{where} is a {type(target).__name__} of {len(target)} items; assign one of the same length"
+            )
+        for i, (t, v) in enumerate(zip(target, value)):
+            if t is None and v is None:
+                continue
+            assign_into(t, v, f"{where}[{i}]")
+        return
+    raise ValueError(f"{where} is a {type(target).__name__} and cannot be assigned")
