@@ -97,6 +97,7 @@ def test_saving_copies_served_buffers_but_not_the_blocks_own_tensors(configs):
     assert torch.allclose(values.decode(res["a"]["saves"]["served"]), before)
     assert ns["kept"].untyped_storage().data_ptr() == ns["own"].untyped_storage().data_ptr()  # no copy
     assert torch.allclose(values.decode(res["a"]["saves"]["kept"]), 2 * before)
+    assert inter._served == set()  # no live request: the served storages are forgotten
 
 
 def test_front_end_refuses_module_edits_on_a_compiled_engine(configs):

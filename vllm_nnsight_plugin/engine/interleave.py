@@ -291,6 +291,8 @@ class Interleaver:
                     session.close()
                 del self.sessions[req_id]
         self.layout = None
+        if not self.sessions:  # nothing live can hold a served view: start the storage set afresh
+            self._served = set()
         self.batched.prune()
         self._prune_hooks()
         self._ship()
@@ -523,7 +525,7 @@ class Interleaver:
             if isinstance(t, torch.Tensor):
                 self._served.add(t.untyped_storage().data_ptr())
         if len(self._served) > SERVED_LIMIT:
-            self._served = None  # copy every saved tensor from now on (always correct)
+            self._served = None  # copy every saved tensor until no traced request is live (always correct)
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether a block made ``t`` itself (no storage vLLM served), so saving it

@@ -20,6 +20,9 @@ replay on every step: a few small kernels per tapped tensor per step (the
 price of keeping full graphs; ``--additional-config '{"nnsight": {"lanes":
 false}}'`` turns lanes off). Outside graph replay (eager or piecewise steps)
 they run only on steps that use them.
+
+Lanes are per worker process, keyed by tap site (as the tap op's handler is):
+one tapped engine per process, which is how vLLM runs its workers.
 """
 
 from __future__ import annotations
