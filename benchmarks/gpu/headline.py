@@ -81,6 +81,8 @@ VARIANTS = {
     "stock_v1_eager": (False, True, True, ["plain"], False),
     "v1_eager": (True, True, True, CAPTURES, False),
     "taps_v1": (True, True, False, CAPTURES + ["steer", "steer_spec"], True),
+    # taps without lanes (batched specs then run piecewise): A/B for the lanes' cost and gain
+    "taps_nolanes": (True, False, False, ["plain", "every_token_spec", "steer_spec"], True),
 }
 
 
@@ -112,7 +114,8 @@ def child(variant: str, reps: int, only: list[str]) -> None:
     _, _, eager, workloads, taps = VARIANTS[variant]
     workloads = [w for w in workloads if w in only or w == "plain"] if only else workloads
     STEER = torch.full((HIDDEN,), 0.01, dtype=torch.bfloat16)
-    extra = {"additional_config": {"nnsight": {"taps": TAPS}}} if taps else {}
+    settings = {"taps": TAPS, "lanes": variant != "taps_nolanes"}
+    extra = {"additional_config": {"nnsight": settings}} if taps else {}
     t0 = time.time()
     llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=eager,
               dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5, seed=0, **extra)
