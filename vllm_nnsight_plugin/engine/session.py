@@ -143,6 +143,7 @@ class RequestSession:
     batched: bool = False  # a batched spec: no greenlet, applied by the interleaver
     batched_reads: bool = False  # ...that reads: its saves ship when the request ends
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
+    _on_device: bool = True  # the last off_host walk found a device tensor (to_host maps it)
     _glet: greenlet.greenlet | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -318,13 +319,17 @@ class RequestSession:
         return current  # still on the device: the interleaver moves a whole step's at once
 
     def off_host(self, value: Any) -> list[torch.Tensor]:
-        """The device tensors of ``value`` that have no CPU copy yet (each once)."""
+        """The device tensors of ``value`` that have no CPU copy yet (each once).
+        Notes whether ``value`` holds any device tensor at all (see :func:`to_host`)."""
         out: dict[int, torch.Tensor] = {}
+        self._on_device = False
         for t in leaves(value):
-            if isinstance(t, torch.Tensor) and on_device(t) and id(t) not in out:
-                hit = self._cpu.get(id(t))
-                if hit is None or hit[0] is not t:
-                    out[id(t)] = t
+            if isinstance(t, torch.Tensor) and on_device(t):
+                self._on_device = True
+                if id(t) not in out:
+                    hit = self._cpu.get(id(t))
+                    if hit is None or hit[0] is not t:
+                        out[id(t)] = t
         return list(out.values())
 
     def adopt_host(self, t: torch.Tensor, cpu: torch.Tensor) -> None:
@@ -376,4 +381,5 @@ def to_host(sessions: list[RequestSession]) -> None:
             offset += t.numel()
             session.adopt_host(t, cpu)
     for session in sessions:
-        session.last = session.on_host(session.last)
+        if session._on_device:  # (batched reads are on the host already: no walk)
+            session.last = session.on_host(session.last)
