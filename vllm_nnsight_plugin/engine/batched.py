@@ -70,8 +70,9 @@ class BatchedEdits:
         self.served: set[tuple] = set()  # locations applied this step
         self.laned: dict[tuple, tuple] = {}  # locations the lanes serve this step -> (parts, code, reads)
         self._values: dict[tuple[int, torch.dtype], tuple[dict[str, Any], torch.Tensor]] = {}
-        self._version = 0  # bumped when entries change (caches lanes_cover, lane plans)
+        self._version = 0  # bumped when entries change (caches groups, lane plans, lanes_cover)
         self._lane_cache: dict[tuple, tuple[int, tuple | None]] = {}
+        self._group_cache: dict[tuple, tuple[int, list[tuple]]] = {}
         self._cover: tuple[int, bool] = (-1, False)
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
@@ -108,49 +109,67 @@ class BatchedEdits:
         if key in self.laned:  # the tap op's lane kernels applied them (see finish_lanes)
             return
         lanes.STATS["python"] += 1
-        groups: dict[tuple[int, int, int], tuple[Entry, list[tuple[int, int]], list[RequestSession]]] = {}
-        for entry in self.at.get(key, ()):
-            session = entry.session
-            span = layout.spans.get(session.req_id)
-            if span is None or not session.active or not _due(entry.op, session.step):
-                continue
-            # one group per (block, op, identical op): a request's own order is kept
-            gkey = (entry.block, entry.number, id(entry.op))
-            group = groups.get(gkey)
-            if group is None:
-                group = groups[gkey] = (entry, [], [])
-            group[1].append(span)
-            group[2].append(session)
-        for gkey in sorted(groups):
-            entry, spans, sessions = groups[gkey]
+        for _, entry, spans, sessions in self._step_groups(key, layout):
             try:
                 if entry.op["op"] == "read":
                     self._read(entry.op, value, spans, sessions, layout.num_tokens)
                     continue
                 self._apply_one(entry.op, value, spans, layout.num_tokens)
             except Exception as exc:  # noqa: BLE001 - a bad edit ends the requests that sent it
-                where = f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']})"
                 for session in sessions:
-                    session.fail(f"{where}: {exc}")
+                    session.fail(f"{_where(entry)}: {exc}")
+
+    def _groups(self, key: tuple) -> list[tuple[tuple, Entry, list[RequestSession]]]:
+        """A location's entries grouped per (block, op, identical op), in the order they
+        apply (a request's own order is kept): ``(gkey, entry, sessions)``. Cached
+        until the entries change; a step picks its rows with :meth:`_step_groups`."""
+        cached = self._group_cache.get(key)
+        if cached is None or cached[0] != self._version:
+            groups: dict[tuple, tuple[Entry, list[RequestSession]]] = {}
+            for entry in self.at.get(key, ()):
+                if entry.session.active:
+                    gkey = (entry.block, entry.number, id(entry.op))
+                    groups.setdefault(gkey, (entry, []))[1].append(entry.session)
+            cached = self._group_cache[key] = (self._version, [(g, *groups[g]) for g in sorted(groups)])
+        return cached[1]
+
+    @staticmethod
+    def _pick(groups: list[tuple], layout: Any) -> list[tuple]:
+        """This step's part of ``groups``: ``(gkey, entry, spans, sessions)`` for the
+        active sessions in the batch whose op is due at their step."""
+        spans_of = layout.spans
+        out = []
+        for gkey, entry, sessions in groups:
+            spans, due = [], []
+            for session in sessions:
+                span = spans_of.get(session.req_id)
+                if span is not None and session.active and _due(entry.op, session.step):
+                    spans.append(span)
+                    due.append(session)
+            if due:
+                out.append((gkey, entry, spans, due))
+        return out
+
+    def _step_groups(self, key: tuple, layout: Any) -> list[tuple]:
+        return self._pick(self._groups(key), layout)
 
     # ------------------------------------------------------------ lanes
     def lanes_cover(self, num_tokens: int) -> bool:
         """Whether the lanes can serve every batched spec in a step of ``num_tokens``
         (then the step needs no Python in the forward and may replay a full graph)."""
-        if not lanes.enabled() or num_tokens > lanes._cap:
+        if not lanes.enabled() or num_tokens > lanes.capacity():
             return False
         if self._cover[0] != self._version:
-            self._cover = (self._version, all(self._lane_groups(key, entries, None) is not None
-                                              for key, entries in self.at.items()))
+            self._cover = (self._version, all(self._lane_groups(key, None) is not None for key in self.at))
         return self._cover[1]
 
     def fill_lanes(self, layout: Any) -> None:
         """Before the forward: each laneable location's slot per row and slot tables."""
         self.laned = {}
-        if not self.at or not lanes.enabled() or layout.num_tokens > lanes._cap:
+        if not self.at or not lanes.enabled() or layout.num_tokens > lanes.capacity():
             return
-        for key, entries in self.at.items():
-            plan = self._lane_groups(key, entries, layout)
+        for key in self.at:
+            plan = self._lane_groups(key, layout)
             if plan is None:
                 continue
             parts, code, edits, reads = plan
@@ -170,7 +189,7 @@ class BatchedEdits:
                 for groups in edits.values():
                     for _, entry, _, sessions in groups:
                         for session in sessions:
-                            session.fail(f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']}): {exc}")
+                            session.fail(f"{_where(entry)}: {exc}")
                 for lane in parts:
                     lane.done()
                 continue
@@ -188,8 +207,8 @@ class BatchedEdits:
             if lanes.take_failed(self.inter.lane_site_name(key)):
                 for entry in self.at.get(key, ()):
                     if entry.session.active and entry.session.req_id in layout.spans:
-                        entry.session.fail(f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']}): "
-                                           "the tap's batched kernels failed this step (see the server log)")
+                        entry.session.fail(f"{_where(entry)}: the tap's batched kernels failed this step "
+                                           "(see the server log)")
             else:
                 value = taps.rebuild(code, [lane.read[: layout.num_tokens] for lane in parts])
                 for _, entry, spans, sessions in reads:
@@ -197,7 +216,7 @@ class BatchedEdits:
                         self._read(entry.op, value, spans, sessions, layout.num_tokens)
                     except Exception as exc:  # noqa: BLE001 - as in apply
                         for session in sessions:
-                            session.fail(f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']}): {exc}")
+                            session.fail(f"{_where(entry)}: {exc}")
             for lane in parts:
                 lane.done()
 
@@ -208,38 +227,22 @@ class BatchedEdits:
         part = lanes.part_of(code, op["index"])
         return [] if part is None else [part]
 
-    def _lane_groups(self, key: tuple, entries: list[Entry], layout: Any) -> tuple | None:
+    def _lane_groups(self, key: tuple, layout: Any) -> tuple | None:
         """How the lanes serve a location's entries this step (``layout`` None: any
-        step): ``(parts, code, edits per part, reads)`` with each group's
-        ``(gkey, entry, spans, sessions)``, or None when they cannot (see
-        :meth:`_lane_plan`). The plan is cached until the entries change; a step
-        only picks its rows."""
+        step): ``(parts, code, edits per part, reads)``, each group's rows picked as
+        in :meth:`_pick`, or None when they cannot (see :meth:`_lane_plan`). The plan
+        is cached until the entries change; a step only picks its rows."""
         cached = self._lane_cache.get(key)
         if cached is None or cached[0] != self._version:
-            cached = self._lane_cache[key] = (self._version, self._lane_plan(key, entries))
+            cached = self._lane_cache[key] = (self._version, self._lane_plan(key))
         plan = cached[1]
         if plan is None or layout is None:
             return plan
         parts, code, edits, reads = plan
-        spans_of = layout.spans
+        step_edits = {part: picked for part, groups in edits.items() if (picked := self._pick(groups, layout))}
+        return parts, code, step_edits, self._pick(reads, layout)
 
-        def pick(groups: list[tuple]) -> list[tuple]:
-            out = []
-            for gkey, entry, sessions in groups:
-                spans, due = [], []
-                for session in sessions:
-                    span = spans_of.get(session.req_id)
-                    if span is not None and session.active and _due(entry.op, session.step):
-                        spans.append(span)
-                        due.append(session)
-                if due:
-                    out.append((gkey, entry, spans, due))
-            return out
-
-        step_edits = {part: picked for part, groups in edits.items() if (picked := pick(groups))}
-        return parts, code, step_edits, pick(reads)
-
-    def _lane_plan(self, key: tuple, entries: list[Entry]) -> tuple | None:
+    def _lane_plan(self, key: tuple) -> tuple | None:
         """The lanes' plan for a location's active entries, or None when they cannot
         serve them: no lanes there, two edits of one request's tensor, a read
         ordered before an edit of its tensor, more than lanes.SLOTS distinct edits."""
@@ -249,23 +252,18 @@ class BatchedEdits:
         parts, code = found
         if any(lane is None for lane in parts):
             return None
-        groups: dict[tuple, tuple[Entry, list]] = {}
-        for entry in entries:
-            if entry.session.active:
-                gkey = (entry.block, entry.number, id(entry.op))
-                groups.setdefault(gkey, (entry, []))[1].append(entry.session)
         edits: dict[int, list[tuple]] = {}
         reads: list[tuple] = []
         read_parts: set[int] = set()
         edited: set[tuple[int, str]] = set()
-        for gkey in sorted(groups):
-            entry, sessions = groups[gkey]
+        for group in self._groups(key):
+            _, entry, sessions = group
             if entry.op["op"] == "read":
                 touched = self._read_parts(entry.op, code)
                 if not touched:
                     return None
                 read_parts.update(touched)
-                reads.append((gkey, entry, sessions))
+                reads.append(group)
                 continue
             part = lanes.part_of(code, entry.op.get("index"))
             if part is None or part in read_parts:
@@ -274,7 +272,7 @@ class BatchedEdits:
                 if (part, session.req_id) in edited:
                     return None
                 edited.add((part, session.req_id))
-            edits.setdefault(part, []).append((gkey, entry, sessions))
+            edits.setdefault(part, []).append(group)
             if len(edits[part]) > lanes.SLOTS:
                 return None
         return parts, code, edits, reads
@@ -356,6 +354,11 @@ class BatchedEdits:
                                  "to every row of the request")
             cached = self._values[key] = (op, value)
         return cached[1]
+
+
+def _where(entry: Entry) -> str:
+    """How an error names the op: ``ops[N] (add model.layers.8)``."""
+    return f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']})"
 
 
 def _due(op: dict[str, Any], step: int) -> bool:

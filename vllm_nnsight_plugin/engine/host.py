@@ -29,10 +29,6 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def in_flight() -> bool:
-    return bool(_pending)
-
-
 def wait() -> None:
     """Block until every copy started by :func:`host_copy` has landed."""
     while _pending:

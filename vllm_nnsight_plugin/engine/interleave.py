@@ -54,7 +54,7 @@ class Interleaver:
         self.report_every_step: set[str] = set()
         self._reported: dict[str, tuple] = {}
         self._served: set[int] | None = set()  # storages served to blocks (see owns)
-        self._lane_keys: dict[tuple, tuple[str, str]] = {}  # location key -> (tap site, code)
+        self._lane_keys: dict[tuple, str] = {}  # location key -> tap site with lanes
         self._ancestor_cache: dict[int, list[torch.nn.Module]] = {}
         self.edits: dict[str, tuple[str | None, dict[str, Any]]] = {}  # engine-wide: id -> (name, payload)
         self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
@@ -472,11 +472,7 @@ class Interleaver:
     # ------------------------------------------------------------ serving
     def on_tap(self, site: str, xs: list[torch.Tensor]) -> None:
         """The tap op ran (between two graph pieces): serve blocks parked there."""
-        found = self._tap_keys.get(site)
-        if found is None:
-            path, kind, code = taps.parse_site(site)
-            found = self._tap_keys[site] = ((id(self.envoy_at(path)._module), kind), code)
-        key, code = found
+        key, code = self._site_key(site)
         if self.layout is not None and (self.waiters.get(key) or key in self.batched.at):
             self.serve(key, taps.rebuild(code, xs))
 
@@ -501,20 +497,25 @@ class Interleaver:
                     return True
         return False
 
+    def _site_key(self, site: str) -> tuple[tuple, str]:
+        """A tap site's location key (as waiters and batched entries use) and value code."""
+        found = self._tap_keys.get(site)
+        if found is None:
+            path, kind, code = taps.parse_site(site)
+            found = self._tap_keys[site] = ((id(self.envoy_at(path)._module), kind), code)
+        return found
+
     def lane_site(self, key: tuple) -> tuple[list, str] | None:
         """The lanes and value code of the tap site at ``key`` (None: no lanes there)."""
-        if len(self._lane_keys) != len(lanes._sites):
-            for site in list(lanes._sites):
-                path, kind, code = taps.parse_site(site)
-                self._lane_keys[(id(self.envoy_at(path)._module), kind)] = (site, code)
-        found = self._lane_keys.get(key)
-        if found is None:
-            return None
-        parts = lanes.lanes_at(found[0])
-        return (parts, found[1]) if parts is not None else None
+        sites = lanes.sites()
+        if len(self._lane_keys) != len(sites):
+            self._lane_keys = {self._site_key(site)[0]: site for site in sites}
+        site = self._lane_keys.get(key)
+        parts = lanes.lanes_at(site) if site is not None else None
+        return (parts, self._site_key(site)[1]) if parts is not None else None
 
     def lane_site_name(self, key: tuple) -> str:
-        return self._lane_keys[key][0]
+        return self._lane_keys[key]
 
     def _note_served(self, value: Any) -> None:
         """Remember the storages handed to blocks: a saved tensor that shares one is

@@ -52,6 +52,16 @@ def enabled() -> bool:
     return _cap > 0
 
 
+def capacity() -> int:
+    """Rows a lane holds: a step with more tokens runs the Python path."""
+    return _cap
+
+
+def sites() -> list[str]:
+    """Tap sites that have lanes (created at the op's first call)."""
+    return list(_sites)
+
+
 class PartLane:
     """Device tables and read buffer for one tapped tensor (fixed addresses: a full
     CUDA graph captured them)."""
@@ -100,19 +110,14 @@ class PartLane:
         self.editing = True
 
     def set_slot(self, slot: int, kind: str, value: torch.Tensor | None, factor: float = 1.0) -> None:
+        """Slot ``slot`` does ``kind``: scale and offset as in the module docstring."""
+        scale, offset = {"add": (1.0, value), "scale": (factor, -0.0), "zero": (0.0, 0.0), "set": (0.0, value)}[kind]
         self.mask[slot].fill_(True)
-        if kind == "add":
-            self.scale[slot].fill_(1.0)
-            self.offset[slot].copy_(value.float().reshape(-1, *self.inner)[0] if value.dim() else value.float())
-        elif kind == "scale":
-            self.scale[slot].fill_(factor)
-            self.offset[slot].fill_(-0.0)
-        elif kind == "zero":
-            self.scale[slot].fill_(0.0)
-            self.offset[slot].fill_(0.0)
-        else:  # set
-            self.scale[slot].fill_(0.0)
-            self.offset[slot].copy_(value.float().reshape(-1, *self.inner)[0] if value.dim() else value.float())
+        self.scale[slot].fill_(scale)
+        if isinstance(offset, float):
+            self.offset[slot].fill_(offset)
+        else:
+            self.offset[slot].copy_(offset.float().reshape(-1, *self.inner)[0] if offset.dim() else offset.float())
 
     def done(self) -> None:
         """End of the step: untraced steps replay these kernels too, so sel goes back to 0."""

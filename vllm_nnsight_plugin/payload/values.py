@@ -21,10 +21,11 @@ numpy decode of a tensor, for clients without torch::
 
     np.frombuffer(base64.b64decode(t["data"]), dtype=t["dtype"]).reshape(t["shape"])
 
-Inside vLLM (EngineCore -> front end, msgpack) ``data`` is the raw ``bytes``
-(``encode(..., binary=True)``): msgpack carries bytes as they are, so the engine
-core's hot loop never base64-encodes. The OpenAI server turns them into base64
-(:func:`to_json`) in its own process; Python callers decode the bytes directly.
+Inside vLLM ``data`` is raw bytes (``encode(..., binary=True)``, done in the
+worker): vLLM's pickle (worker -> engine core) and msgpack (engine core -> front
+end) carry them as they are, so no hot loop base64-encodes. The OpenAI server
+turns them into base64 (:func:`to_json`) in its own process; Python callers
+decode the bytes directly.
 """
 
 from __future__ import annotations
