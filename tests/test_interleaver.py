@@ -187,3 +187,171 @@ def test_finish_prediction_reads_the_token_only_when_a_stop_token_can_end_the_re
     assert _stops(normal, 3, 10, 100, lambda: 2) and _stops(normal, 3, 10, 100, lambda: 5)
     assert not _stops(normal, 3, 10, 100, lambda: 7)
     assert not _stops(params(min_tokens=5), 3, 10, 100, never)
+
+
+class _Pair(torch.nn.Module):
+    """Returns ``(hidden, residual)`` as vLLM's decoder layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x), x
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = _Pair()
+        self.out = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h, r = self.pair(x)
+        return self.out(h + r)
+
+
+def test_batched_per_step_reads_gather_each_requests_rows_across_host_blocks(configs, monkeypatch):
+    """Per-step batched reads keep each request's rows in shared host blocks (no view
+    per step) and gather them when the request ends: the shipped list equals the
+    rows each step gave that request, whichever rows it had in the batch, across a
+    block boundary; nothing ships before the end; the result limits count the rows;
+    a tuple value (no index) is still a list of per-step tuples."""
+    import json
+
+    from vllm_nnsight_plugin.engine import host
+    from vllm_nnsight_plugin.engine.limits import measure
+
+    monkeypatch.setattr(host, "BLOCK_BYTES", 5 * 16)  # 5 float32 rows of 4 per block
+    host.release()
+    torch.manual_seed(0)
+    model = _Net()
+    inter = Interleaver(model, configs[True])
+    spec = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "read", "name": "h", "module": "pair", "index": 0, "steps": "all"},
+        {"op": "read", "name": "pair", "module": "pair", "steps": "all"}]})
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    inter.admit("a", {"nnsight": spec}, params)
+    seen: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+    layouts = [  # (spans, tokens): "a" prefills 3 rows, "b" joins at step 1, order changes
+        ({"a": (0, 3)}, 3),
+        ({"b": (0, 2), "a": (2, 3)}, 3),
+        ({"a": (0, 1), "b": (1, 2)}, 2),
+        ({"b": (0, 1), "a": (1, 2)}, 2),
+    ]
+    shipped = {}
+    for step, (spans, tokens) in enumerate(layouts):
+        if step == 1:
+            inter.admit("b", {"nnsight": spec}, params)
+        inter.begin_step(StepLayout(spans, {r: i for i, r in enumerate(spans)}, tokens))
+        x = torch.randn(tokens, 4)
+        with torch.inference_mode():
+            model(x)
+        hidden = model.pair.lin(x)
+        for req_id, (start, end) in spans.items():
+            seen[req_id].append(hidden[start:end].detach())
+        if step == 2:  # before the end: the rows count toward the limits
+            (a,) = inter.sessions["a"]
+            assert measure(a.namespace["h"]) == (3, (3 + 1 + 1) * 16)
+        last = step == len(layouts) - 1
+        res = inter.end_step({"a", "b"} if last else set())
+        if not last:
+            assert all("saves" not in r or r["saves"] is None for r in res.values())  # ships at the end
+        shipped.update(res)
+    for req_id in ("a", "b"):
+        rows = values.decode(shipped[req_id]["saves"]["h"])
+        assert len(rows) == len(seen[req_id])
+        assert all(torch.allclose(r, s) for r, s in zip(rows, seen[req_id]))
+        pairs = values.decode(shipped[req_id]["saves"]["pair"])
+        assert all(isinstance(p, tuple) and torch.allclose(p[0], s) for p, s in zip(pairs, seen[req_id]))
+    assert torch.equal(values.decode(shipped["a"]["saves"]["h"])[0], seen["a"][0])  # the 3-row prefill
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Pair() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            h, r = layer(x)
+            x = h + r
+        return x
+
+
+class _Root(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Layers()
+
+
+def test_lane_tables_follow_the_batch_when_steps_repeat_or_change(llama_path):
+    """Lanes (tapped engines) reuse the last step's slot tables when a step has the
+    same rows and entries (steady decode): each request keeps its own steering while
+    the batch repeats, reorders, loses a request and gains one, and untraced rows are
+    untouched bit for bit (here on CPU: the same kernels a full CUDA graph replays)."""
+    import json
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_nnsight_plugin.engine import lanes, taps
+
+    tap = {"taps": ["model.layers.1.output"]}
+    config = EngineArgs(model=llama_path, enforce_eager=False, dtype="float32",
+                        additional_config={"nnsight": tap}).create_engine_config()
+    lanes.reset()
+    lanes.enable(16)
+    try:
+        torch.manual_seed(0)
+        root = _Root()
+        inter = Interleaver(root, config, taps.install(root, taps.from_settings(tap)))
+
+        def spec(v: float) -> str:
+            return json.dumps({"v": 1, "kind": "spec", "ops": [
+                {"op": "add", "module": "model.layers.1", "index": 0, "value": [v] * 4, "steps": "all"}]})
+
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        steer = {"a": 1.0, "b": -2.0, "c": 0.5}
+        with torch.inference_mode():
+            root.model(torch.zeros(3, 4))  # the first tap call makes the lanes
+        inter.admit("a", {"nnsight": spec(steer["a"])}, params)
+        inter.admit("b", {"nnsight": spec(steer["b"])}, params)
+        layouts = [  # rows of the step; "u" is untraced
+            {"a": (0, 2), "b": (2, 3), "u": (3, 4)},
+            {"a": (0, 1), "b": (1, 2), "u": (2, 3)},
+            {"a": (0, 1), "b": (1, 2), "u": (2, 3)},  # steady: the tables are reused
+            {"a": (0, 1), "b": (1, 2), "u": (2, 3)},
+            {"b": (0, 1), "u": (1, 2), "a": (2, 3)},  # reordered
+            {"b": (0, 1), "u": (1, 2)},  # "a" has left
+            {"b": (0, 1), "u": (1, 2), "c": (2, 4)},  # "c" joins
+            {"b": (0, 1), "u": (1, 2), "c": (2, 3)},
+            {"b": (0, 1), "u": (1, 2), "c": (2, 3)},
+        ]
+        served = lanes.STATS["lane"]
+        for step, spans in enumerate(layouts):
+            if step == 5:
+                inter.finish(["a"])
+            if step == 6:
+                inter.admit("c", {"nnsight": spec(steer["c"])}, params)
+            tokens = max(end for _, end in spans.values())
+            x = torch.randn(tokens, 4)
+            with torch.inference_mode():  # as vLLM's execute_model runs
+                inter.begin_step(StepLayout(spans, {r: i for i, r in enumerate(spans)}, tokens))
+                out = root.model(x)
+                inter.end_step()
+            with torch.inference_mode():  # the same layers with no step open: nothing applied
+                h0, r0 = root.model.layers[0](x)
+                h1, r1 = root.model.layers[1](h0 + r0)
+            for req_id, (start, end) in spans.items():
+                want = h1[start:end] + r1[start:end] + steer.get(req_id, 0.0)
+                if req_id == "u":
+                    assert torch.equal(out[start:end], h1[start:end] + r1[start:end]), step
+                else:
+                    assert torch.allclose(out[start:end], want, atol=1e-6), (step, req_id)
+        assert lanes.STATS["lane"] - served == len(layouts)  # every step served by the lanes
+        assert all(s.error is None for blocks in inter.sessions.values() for s in blocks)
+    finally:
+        lanes.reset()

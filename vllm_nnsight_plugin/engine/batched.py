@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import lanes, taps
-from .host import host_copy
+from .host import host_copy, put_rows
+from .rowlog import RowLog
 from .spec_runner import _tensor, pick_index
 
 if TYPE_CHECKING:
@@ -74,13 +75,15 @@ class BatchedEdits:
         self._lane_cache: dict[tuple, tuple[int, tuple | None]] = {}
         self._group_cache: dict[tuple, tuple[int, list[tuple]]] = {}
         self._cover: tuple[int, bool] = (-1, False)
+        self.stale = False  # a batched session ended or failed since the last prune
+        self._fill_memo: tuple | None = None  # the last step's lane tables (see fill_lanes)
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
         """Register a request's ops (applied in block then spec order per location)."""
         entries = []
         for op in env["ops"]:
             if op["op"] == "read" and op.get("steps", "prefill") != "prefill":
-                session.namespace[op["name"]] = session.save([])  # one row block per step
+                session.namespace[op["name"]] = session.keep(RowLog())  # one row block per step
         for number, op in enumerate(env["ops"]):
             envoy = self.inter.envoy_at(op["module"])
             kind = op.get("io", "output")
@@ -91,7 +94,11 @@ class BatchedEdits:
         self._version += 1
 
     def prune(self) -> None:
-        """Drop entries of finished or failed requests."""
+        """Drop entries of finished or failed requests (once one has ended: see
+        :attr:`stale`)."""
+        if not self.stale:
+            return
+        self.stale = False
         for key in list(self.at):
             alive = [e for e in self.at[key] if e.session.active and not e.session.ended]
             if len(alive) == len(self.at[key]):
@@ -164,15 +171,30 @@ class BatchedEdits:
         return self._cover[1]
 
     def fill_lanes(self, layout: Any) -> None:
-        """Before the forward: each laneable location's slot per row and slot tables."""
+        """Before the forward: each laneable location's slot per row and slot tables.
+        A step with the same rows as the last (decode steps of a steady batch) and no
+        change to the entries uploads the last step's tables again, no per-request work."""
         self.laned = {}
         if not self.at or not lanes.enabled() or layout.num_tokens > lanes.capacity():
             return
+        memo = self._fill_memo
+        if memo is not None and memo[0] == self._version and memo[1] == layout.num_tokens \
+                and memo[2] == layout.spans:
+            for key, (parts, code, reads, tables, read_parts) in memo[3].items():
+                for part, table in tables:
+                    parts[part].set_table(table)
+                for part in read_parts:
+                    parts[part].reading = True
+                self.laned[key] = (parts, code, reads)
+            return
+        filled: dict[tuple, tuple] = {}
+        steady = True  # and no request at its first step (what is due changes after it)
         for key in self.at:
             plan = self._lane_groups(key, layout)
             if plan is None:
                 continue
             parts, code, edits, reads = plan
+            tables = []
             try:
                 for part, groups in edits.items():
                     lane = parts[part]
@@ -183,8 +205,8 @@ class BatchedEdits:
                             value = self._value(op, lane.read) if op["op"] in ("add", "set") else None
                             lane.set_slot(slot, op["op"], value, float(op.get("factor", 1.0)))
                         lane.slot_keys = ops
-                    lane.set_rows([(start, end, slot) for slot, (_, _, spans, _) in enumerate(groups, 1)
-                                   for start, end in spans])
+                    tables.append((part, lane.set_rows([(start, end, slot) for slot, (_, _, spans, _)
+                                                        in enumerate(groups, 1) for start, end in spans])))
             except Exception as exc:  # noqa: BLE001 - a bad value ends the requests that sent it
                 for groups in edits.values():
                     for _, entry, _, sessions in groups:
@@ -192,11 +214,17 @@ class BatchedEdits:
                             session.fail(f"{_where(entry)}: {exc}")
                 for lane in parts:
                     lane.done()
+                steady = False
                 continue
-            for _, entry, _, _ in reads:
-                for part in self._read_parts(entry.op, code):
-                    parts[part].reading = True
+            read_parts = [part for _, entry, _, _ in reads for part in self._read_parts(entry.op, code)]
+            for part in read_parts:
+                parts[part].reading = True
             self.laned[key] = (parts, code, reads)
+            filled[key] = (parts, code, reads, tables, read_parts)
+        spans = layout.spans
+        steady = steady and not any(e.session.step == 0 and e.session.req_id in spans
+                                    for entries in self.at.values() for e in entries)
+        self._fill_memo = (self._version, layout.num_tokens, dict(layout.spans), filled) if steady else None
 
     def finish_lanes(self, layout: Any) -> None:
         """After the forward: lane reads to the host (as :meth:`_read`), lanes reset."""
@@ -297,27 +325,31 @@ class BatchedEdits:
     def _read(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]],
               sessions: list[RequestSession], num_tokens: int) -> None:
         """One copy of the location's rows this step, straight to (pinned) host memory
-        without waiting for it; each request keeps a view of its own rows."""
+        without waiting for it. A prefill read keeps a view of the request's rows; a
+        per-step read notes where its rows are (:class:`.rowlog.RowLog`)."""
         last = max(end for _, end in spans)
+        name = op["name"]
+        once = op.get("steps", "prefill") == "prefill"
         if op.get("index") is None and isinstance(value, (tuple, list)):  # e.g. (hidden, residual)
             parts = [host_copy(_per_token_tensor({}, v, num_tokens)[:last]) if v is not None else None
                      for v in value]
             kind = type(value)
-
-            def cut(start: int, end: int) -> Any:
-                return kind(p[start:end] if p is not None else None for p in parts)
-        else:
-            rows = host_copy(_per_token_tensor(op, value, num_tokens)[:last])
-
-            def cut(start: int, end: int) -> Any:
-                return rows[start:end]
-        name = op["name"]
+            for (start, end), session in zip(spans, sessions):
+                view = kind(p[start:end] if p is not None else None for p in parts)
+                if once:
+                    session.namespace[name] = session.keep(view)
+                else:
+                    session.namespace[name].append(view)  # shipped when the request ends
+            return
+        rows = _per_token_tensor(op, value, num_tokens)[:last]
+        if once:
+            rows = host_copy(rows)
+            for (start, end), session in zip(spans, sessions):
+                session.namespace[name] = session.keep(rows[start:end])
+            return
+        block, first = put_rows(rows)
         for (start, end), session in zip(spans, sessions):
-            view = cut(start, end)
-            if op.get("steps", "prefill") == "prefill":
-                session.namespace[name] = session.keep(view)
-            else:
-                session.namespace[name].append(view)  # shipped when the request ends
+            session.namespace[name].add(block, first + start, first + end)
 
     def _apply_one(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]], num_tokens: int) -> None:
         value = _per_token_tensor(op, value, num_tokens)

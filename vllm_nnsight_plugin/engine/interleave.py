@@ -64,6 +64,7 @@ class Interleaver:
         self.results: dict[str, dict[str, Any]] = {}
         self._unshipped: dict[str, list[RequestSession]] = {}  # requests with a fresh snapshot...
         self._moving: list[RequestSession] = []  # ...whose blocks' snapshots are still on the device
+        self.coded: set[str] = set()  # requests with a block that runs (not only batched specs)
         self._parents: dict[int, torch.nn.Module] | None = None
         self._ranks: dict[str, int] | None = None
 
@@ -83,6 +84,8 @@ class Interleaver:
         if blocks:
             self.sessions[req_id] = blocks
             self.traced.add(req_id)
+            if not all(b.batched for b in blocks):
+                self.coded.add(req_id)
             self.params[req_id] = params
             if extra.get(compat.STREAM_KEY) or getattr(params, "stop", None) or params is None:
                 self.report_every_step.add(req_id)
@@ -190,6 +193,7 @@ class Interleaver:
             self.results.pop(req_id, None)
             self._unshipped.pop(req_id, None)
             self.traced.discard(req_id)
+            self.coded.discard(req_id)
             self.params.pop(req_id, None)
             self.report_every_step.discard(req_id)
             self._reported.pop(req_id, None)
@@ -243,7 +247,10 @@ class Interleaver:
         for this step."""
         self.layout = layout
         self.batched.fill_lanes(layout)
-        for req_id in layout.spans:
+        coded = self.coded  # (batched specs have no block to start or wake)
+        for req_id in layout.spans if coded else ():
+            if req_id not in coded:
+                continue
             for session in self.sessions.get(req_id, ()):
                 if not session.active or session.batched:
                     continue
@@ -261,12 +268,13 @@ class Interleaver:
             return {}
         self.batched.finish_lanes(layout)
         self.batched.check_reached(layout)
+        sessions, coded, report = self.sessions, self.coded, self.report_every_step
         for req_id in layout.spans:
-            blocks = self.sessions.get(req_id)
+            blocks = sessions.get(req_id)
             if not blocks:
                 continue
-            if req_id not in finishing and req_id not in self.report_every_step \
-                    and all(s.batched and s.active and s.step > 0 for s in blocks):
+            if req_id not in coded and req_id not in finishing and req_id not in report \
+                    and all(s.active for s in blocks):  # batched specs only
                 for session in blocks:  # nothing to record until the request ends
                     session.step += 1
                 continue
@@ -290,9 +298,11 @@ class Interleaver:
                     self._unwait(session)
                     session.close()
                 del self.sessions[req_id]
+                self.coded.discard(req_id)
         self.layout = None
         if not self.sessions:  # nothing live can hold a served view: start the storage set afresh
             self._served = set()
+            host.release()  # (and later reads start fresh host blocks)
         self.batched.prune()
         self._prune_hooks()
         self._ship()
@@ -481,6 +491,9 @@ class Interleaver:
         spec needs more than its lanes give (the step must then run the tap op's
         Python: piecewise graphs or eager, not a full graph). ``scheduled``: tokens
         per request this step."""
+        if not self.coded:  # batched specs only: the lanes serve them all, or Python must
+            return not self.sessions.keys().isdisjoint(scheduled) \
+                and not self.batched.lanes_cover(sum(scheduled.values()))
         lanes_checked = False
         for req_id in scheduled:
             for session in self.sessions.get(req_id, ()):
@@ -539,8 +552,8 @@ class Interleaver:
         after touching ``model.samples``. One copy of the rows' range per step, not
         one per request."""
         layout = self.layout
-        rows = [row for req_id, row in layout.rows.items()
-                if any(s.active and not s.batched for s in self.sessions.get(req_id, ()))]
+        rows = [layout.rows[req_id] for req_id in self.coded if req_id in layout.rows
+                and any(s.active and not s.batched for s in self.sessions.get(req_id, ()))]
         if rows:
             layout.kept_from = min(rows)
             layout.kept_logits = logits[layout.kept_from : max(rows) + 1].clone()

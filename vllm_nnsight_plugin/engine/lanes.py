@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 SLOTS = 16  # distinct edit operations per tapped tensor per step (slot 0: untouched rows)
@@ -93,16 +94,23 @@ class PartLane:
         x.copy_(torch.where(self.mask.index_select(0, idx), y.to(x.dtype), x))
         self.read[:n].copy_(x)
 
-    def set_rows(self, spans_slots: list[tuple[int, int, int]]) -> None:
-        """Slot per row for this step (rows not named stay 0)."""
+    def set_rows(self, spans_slots: list[tuple[int, int, int]]) -> Any:
+        """Slot per row for this step (rows not named stay 0). Returns the host table,
+        which :meth:`set_table` can upload again for a step with the same rows."""
+        table = np.zeros(self.rows, dtype=np.int64)
+        for start, end, slot in spans_slots:
+            table[start:end] = slot
+        self.set_table(table)
+        return table
+
+    def set_table(self, table: Any) -> None:
+        """Upload a slot-per-row table (from :meth:`set_rows`) through a pinned staging
+        buffer (two, alternating: the copy of the step before may still be in flight)."""
         i = self._turn = 1 - self._turn
         if self._events[i] is not None:
             self._events[i].synchronize()  # its copy two steps ago has long landed
         host = self._staging[i]
-        rows = host.numpy()
-        rows[:] = 0
-        for start, end, slot in spans_slots:
-            rows[start:end] = slot
+        host.numpy()[:] = table
         self.sel.copy_(host, non_blocking=True)
         if self.sel.device.type == "cuda":
             self._events[i] = torch.cuda.Event()

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .rowlog import RowLog
 from .tree import leaves
 
 DEFAULT_LIMITS = {"max_saved_bytes": 1 << 30, "max_saves": 100_000}
@@ -25,5 +26,12 @@ def limits(settings: dict[str, Any]) -> dict[str, int]:
 
 def measure(value: Any) -> tuple[int, int]:
     """(number of leaf values, tensor bytes) of a saved structure."""
-    items = list(leaves(value))
-    return len(items), sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
+    count = size = 0
+    for item in leaves(value):
+        if isinstance(item, torch.Tensor):
+            count, size = count + 1, size + item.numel() * item.element_size()
+        elif isinstance(item, RowLog):  # a batched read's per-step rows
+            count, size = count + item.count(), size + item.nbytes()
+        else:
+            count += 1
+    return count, size

@@ -19,7 +19,7 @@ from . import compat, taps
 from .rows import StepLayout
 from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
 
-_BATCH = "_nnsight_input_batch"  # this step's InputBatch, until sample_tokens
+_BATCH = "_nnsight_input_batch"  # this step's (InputBatch, v2_batch table), until sample_tokens
 _graph_mode: str | None = None  # "piecewise"/"eager" per step (execute_model), read by the dispatch wrap
 
 
@@ -50,11 +50,13 @@ def _prepare_inputs(original: Callable) -> Callable:
             return batch
         spans: dict[str, tuple[int, int]] = {}
         rows: dict[str, int] = {}
-        for row, (req_id, start, end, computed, prefill_len, _) in enumerate(compat.v2_batch(self, batch)):
+        table = compat.v2_batch(self, batch)
+        sessions = inter.sessions
+        for row, (req_id, start, end, computed, prefill_len, _) in enumerate(table):
             spans[req_id], rows[req_id] = (start, end), row
-            if req_id in inter.sessions and computed < prefill_len and (computed > 0 or end < start + prefill_len):
+            if computed < prefill_len and req_id in sessions and (computed > 0 or end < start + prefill_len):
                 inter.prompt_split(req_id, prefill_len, computed, end - start)
-        self.__dict__[_BATCH] = batch
+        self.__dict__[_BATCH] = (batch, table)
         inter.begin_step(StepLayout(spans, rows, compat.v2_padded_tokens(batch)))
         return batch
 
@@ -68,14 +70,14 @@ def _sample_tokens(original: Callable) -> Callable:
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         inter = self.__dict__.get(_ATTR)
-        batch = self.__dict__.pop(_BATCH, None)
-        if inter is None or inter.layout is None or batch is None:
+        kept = self.__dict__.pop(_BATCH, None)
+        if inter is None or inter.layout is None or kept is None:
             return out
         layout = inter.layout
         params = inter.params
 
         finishing = set()
-        for req_id, start, end, computed, prefill_len, prompt_len in compat.v2_batch(self, batch):
+        for req_id, start, end, computed, prefill_len, prompt_len in kept[1]:  # prepare_inputs' table
             if req_id in params and inter.between_steps(req_id) and compat.v2_will_finish(
                 self, params[req_id], computed + end - start, prefill_len, prompt_len,
                 lambda r=req_id: layout.sampled_token(r),

@@ -19,12 +19,14 @@ import greenlet
 import torch
 
 from .host import host_copy
+from .rowlog import RowLog
 from .tree import leaves, map_tensors
 
 if TYPE_CHECKING:
     from .interleave import Interleaver
 
 _NOTHING = object()
+GROWS = (list, dict, RowLog)  # saved values that change in place (shipped again at the end)
 END = object()  # given to a block parked between steps when its request has finished
 
 
@@ -173,6 +175,11 @@ class RequestSession:
             }
         self.close()
 
+    def _note_over(self) -> None:
+        """A batched session is over: its entries go at the next prune."""
+        if self.batched and self.interleaver is not None:
+            self.interleaver.batched.stale = True
+
     def _parked_line(self) -> int | None:
         frame = self._glet.gr_frame if self._glet is not None else None
         while frame is not None:
@@ -190,6 +197,7 @@ class RequestSession:
 
     def close(self) -> None:
         """Drop the greenlet (and the frames and tensors it holds)."""
+        self._note_over()
         self.wait = None
         self.serving = None
         glet, self._glet = self._glet, None
@@ -280,6 +288,7 @@ class RequestSession:
         self.ended = True
         if self.batched:
             self.done, self.wait = True, None
+            self._note_over()
             return
         if self.active and self.wait is not None and self.wait.kind == "step":
             self.wait = None
@@ -308,11 +317,11 @@ class RequestSession:
             if saved.get(id(value)) is value and not name.startswith("__")
         }
         ids = {name: id(v) for name, v in current.items()}
-        containers = finished and any(isinstance(v, (list, dict)) for v in current.values())
+        containers = finished and any(isinstance(v, GROWS) for v in current.values())
         if ids == self._shipped and not self._dirty and not containers:
             return None
         self.changed = [n for n, i in ids.items() if i in self._fresh or self._shipped.get(n) != i
-                        or (finished and isinstance(current[n], (list, dict)))]
+                        or (finished and isinstance(current[n], GROWS))]
         self._shipped = ids
         self._dirty = False
         self._fresh = set()

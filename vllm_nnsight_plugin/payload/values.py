@@ -50,7 +50,8 @@ class UnsupportedValue(TypeError):
     """A saved value has a type the result format cannot carry."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """The result format's name of ``dtype`` (UnsupportedValue for one it cannot carry)."""
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPES:
         raise UnsupportedValue(f"tensors of dtype {dtype} cannot be returned")
@@ -75,7 +76,7 @@ def _bytes(t: torch.Tensor) -> bytes | memoryview:
 
 def encode_tensor(t: torch.Tensor, binary: bool = False) -> dict[str, Any]:
     """A tensor as ``{"dtype", "shape", "data"}`` (little-endian bytes; base64 unless binary)."""
-    return {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "data": _data(_bytes(t), binary)}
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": _data(_bytes(t), binary)}
 
 
 def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
@@ -103,7 +104,7 @@ def encode_tensors(ts: list[torch.Tensor], binary: bool = False) -> dict[str, An
     """Same-dtype tensors as one buffer: per-step rows cost one encode, not one each.
     Binary host tensors are concatenated straight into the returned ``bytearray``
     (one copy of the bytes, not a concatenation and then a copy)."""
-    name = _dtype_name(ts[0].dtype)
+    name = dtype_name(ts[0].dtype)
     shapes = [list(t.shape) for t in ts]
     parts = [t.detach().reshape(-1) for t in ts]
     total = sum(p.numel() for p in parts)
@@ -142,7 +143,7 @@ def encode(value: Any, binary: bool = False) -> Any:
     if isinstance(value, torch.Size):
         return {"$size": list(value)}
     if isinstance(value, torch.dtype):
-        return {"$dtype": _dtype_name(value)}
+        return {"$dtype": dtype_name(value)}
     if isinstance(value, list):
         if len(value) > 1 and all(isinstance(v, torch.Tensor) for v in value) \
                 and len({v.dtype for v in value}) == 1:
@@ -152,6 +153,9 @@ def encode(value: Any, binary: bool = False) -> Any:
         return {"$tuple": [encode(v, binary) for v in value]}
     if isinstance(value, dict):
         return {"$dict": [[encode(k, binary), encode(v, binary)] for k, v in value.items()]}
+    own = getattr(value, "__nnsight_encode__", None)  # a worker-side value that encodes itself
+    if own is not None:
+        return own(binary)
     ref = getattr(value, "__nnsight_result_path__", None)
     if ref is not None:
         return {"$result": [list(step) for step in ref]}

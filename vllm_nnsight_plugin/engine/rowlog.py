@@ -1,0 +1,121 @@
+"""A batched read's rows of one request across steps, kept where the step put them.
+
+A per-step read (``"steps": "all"``) of 256 requests used to leave a tensor view
+per request per step: 32 768 views for 128 steps, each a few microseconds to make
+and again to walk, measure and concatenate when the request ends, which is the
+step that ships everything. Here a step's rows for the whole batch go into a shared
+host block (:func:`.host.put_rows`) and each request only notes which rows are its
+own; when it ends, one ``index_select`` per block gathers them straight into the
+buffer that leaves the worker. To the client it is the same list of per-step
+tensors as before (``{"$tensors"}``, see :mod:`..payload.values`).
+
+A value that is not one tensor per step (a tuple such as ``(hidden, residual)``
+read without ``index``) is kept as a list of per-step views, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any
+
+import torch
+
+from ..payload import values as tagged
+
+
+class RowLog:
+    """Per-step rows of one request: runs of ``(host block, row numbers)`` and the
+    number of rows each step gave; or, for values that are not one tensor, a list."""
+
+    __slots__ = ("counts", "_runs", "_items")
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []  # rows per step, in step order
+        self._runs: list[tuple[torch.Tensor, array]] = []  # (block, its rows, in order)
+        self._items: list[Any] | None = None  # per-step values that are not one tensor
+
+    def add(self, block: torch.Tensor, start: int, end: int) -> None:
+        """This step's rows are ``block[start:end]``."""
+        if self._items is not None:
+            raise TypeError("the read's value changed from a tuple to one tensor between steps")
+        runs = self._runs
+        if not runs or runs[-1][0] is not block:
+            runs.append((block, array("q")))
+        rows = runs[-1][1]
+        if end - start == 1:
+            rows.append(start)
+        else:
+            rows.extend(range(start, end))
+        self.counts.append(end - start)
+
+    def append(self, value: Any) -> None:
+        """This step's value, kept as it is (not one tensor)."""
+        if self._runs:
+            raise TypeError("the read's value changed from one tensor to a tuple between steps")
+        if self._items is None:
+            self._items = []
+        self._items.append(value)
+
+    def __len__(self) -> int:
+        return len(self._items) if self._items is not None else len(self.counts)
+
+    def _like(self) -> torch.Tensor | None:
+        return self._runs[0][0] if self._runs else None
+
+    def nbytes(self) -> int:
+        like = self._like()
+        if like is None:
+            return sum(t.numel() * t.element_size() for item in self._items or () for t in _tensors(item))
+        return sum(self.counts) * like[:1].numel() * like.element_size()
+
+    def count(self) -> int:
+        """Leaf values, as a list of the per-step values would count them."""
+        if self._items is not None:
+            return sum(len(_tensors(item)) or 1 for item in self._items)
+        return len(self.counts)
+
+    def tensors(self) -> list[Any]:
+        """The per-step values (views of the host blocks; after :func:`.host.wait`)."""
+        if self._items is not None:
+            return list(self._items)
+        flat = self._gather(None)
+        out, offset = [], 0
+        for n in self.counts:
+            out.append(flat[offset : offset + n])
+            offset += n
+        return out
+
+    def _gather(self, out: torch.Tensor | None) -> torch.Tensor:
+        like = self._like()
+        assert like is not None
+        total = sum(self.counts)
+        if out is None:
+            out = torch.empty((total, *like.shape[1:]), dtype=like.dtype)
+        offset = 0
+        for block, rows in self._runs:
+            index = torch.frombuffer(rows, dtype=torch.int64) if rows else torch.empty(0, dtype=torch.int64)
+            torch.index_select(block, 0, index, out=out[offset : offset + len(rows)])
+            offset += len(rows)
+        return out
+
+    def __nnsight_encode__(self, binary: bool) -> Any:
+        """The result form of the per-step list: one ``$tensors`` buffer, gathered
+        straight into it (read after :func:`.host.wait`)."""
+        like = self._like()
+        if like is None or len(self.counts) < 2 or not binary:
+            return tagged.encode(self.tensors(), binary)
+        inner = list(like.shape[1:])
+        data = bytearray(sum(self.counts) * math.prod(inner) * like.element_size())
+        if data:
+            self._gather(torch.frombuffer(data, dtype=like.dtype).view(-1, *inner))
+        return {"$tensors": {"dtype": tagged.dtype_name(like.dtype),
+                             "shapes": [[n, *inner] for n in self.counts], "data": data}}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
