@@ -83,7 +83,11 @@ VARIANTS = {
     "taps_v1": (True, True, False, CAPTURES + ["steer", "steer_spec"], True),
     # taps without lanes (batched specs then run piecewise): A/B for the lanes' cost and gain
     "taps_nolanes": (True, False, False, ["plain", "every_token_spec", "steer_spec"], True),
+    # the taps engine in-process (no engine-core process): A/B for the cost of moving
+    # results between processes (vLLM's msgpack over ZMQ), which in-process runs skip
+    "taps_inproc": (True, False, False, ["plain", "every_token_spec", "steer_spec"], True),
 }
+IN_PROCESS = {"taps_inproc"}
 
 
 def workload_params() -> dict:
@@ -165,6 +169,8 @@ def main() -> None:
         plugin, v1, *_ = VARIANTS[variant]
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
         env["VLLM_NNSIGHT_DISABLE"] = "0" if plugin else "1"
+        if variant in IN_PROCESS:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if v1:
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         else:

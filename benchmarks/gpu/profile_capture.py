@@ -12,6 +12,9 @@ debug mode; a wait per step defeats vLLM's async scheduling).
 One engine serves every WORKLOAD named (one compile). WORKLOAD:
 plain, prefill, every_token, steer, prefill_spec, every_token_spec, steer_spec.
 --taps: compiled + CUDA graphs with layer 8 tapped (else eager); --v1: the V1 runner.
+--phases: instead, wall time per engine phase (scheduler, runner, output path),
+unprofiled, plain beside the workload over alternating reps: cProfile inflates
+Python-heavy code, so this is the fair split of where the extra time goes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
     parser.add_argument("workloads", nargs="+")
     parser.add_argument("--taps", action="store_true")
     parser.add_argument("--v1", action="store_true")
+    parser.add_argument("--phases", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.v1:
@@ -53,9 +57,76 @@ def main() -> None:
     sps = headline.workload_params()
     for name in ["plain", *args.workloads]:  # warm-up at full batch
         llm.generate(prompts, sps[name], use_tqdm=False)
+    if args.phases:
+        phases(llm, prompts, sps, args.workloads)
+        return
     for workload in args.workloads:
         print(f"===== {workload} =====", flush=True)
         profile_one(llm, prompts, sps, workload, args)
+
+
+_PHASES = [  # (module, class, method): each timed on its own (nested calls count in both)
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample_tokens"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
+    ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "begin_step"),
+    ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "end_step"),
+    ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "_ship"),
+    ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "keep_logits"),
+    ("vllm_nnsight_plugin.engine.batched", "BatchedEdits", "fill_lanes"),
+    ("vllm_nnsight_plugin.engine.batched", "BatchedEdits", "finish_lanes"),
+]
+
+
+def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
+    """Seconds per phase per rep (median of ``reps``), plain and each workload alternating."""
+    import importlib
+    import statistics
+
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(name: str, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return wrapper
+
+    names = []
+    for mod_name, cls_name, meth in _PHASES:
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        if meth in cls.__dict__:
+            name = f"{mod_name.rsplit('.', 1)[-1]}.{cls_name}.{meth}"
+            setattr(cls, meth, timed(name, cls.__dict__[meth]))
+            names.append(name)
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)  # in-process
+    if core is not None:  # the engine loop's step (bound at start-up: wrap the instance's)
+        core.step_fn = timed("EngineCore.step_fn", core.step_fn)
+        names.append("EngineCore.step_fn")
+    per: dict[str, dict[str, list[float]]] = {w: collections.defaultdict(list) for w in ["plain", *workloads]}
+    for _ in range(reps):
+        for workload in ["plain", *workloads]:
+            spent.clear()
+            t = time.perf_counter()
+            llm.generate(prompts, sps[workload], use_tqdm=False)
+            per[workload]["wall"].append(time.perf_counter() - t)
+            for name in names:
+                per[workload][name].append(spent[name])
+    cols = ["plain", *workloads]
+    print(f"| phase (s per rep, median of {reps}) | {' | '.join(cols)} |")
+    print("|---|" + "---:|" * len(cols))
+    for name in ["wall", *names]:
+        print(f"| {name} | " + " | ".join(f"{statistics.median(per[w][name]):.3f}" for w in cols) + " |")
 
 
 def profile_one(llm, prompts, sps, workload: str, args) -> None:
