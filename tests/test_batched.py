@@ -224,6 +224,7 @@ def test_batched_reads_at_every_step_equal_hugging_face(llama, hf_llama):
         {"op": "read", "name": "hidden", "module": "model.layers.1", "index": 0, "steps": "all"},
         {"op": "read", "name": "residual", "module": "model.layers.1", "index": 1, "steps": "all"},
         {"op": "read", "name": "first", "module": "model.layers.1", "index": 0},
+        {"op": "read", "name": "stream", "module": "model.layers.1", "sum": True, "steps": "all"},
     ]})
     assert batched.eligible(json.loads(spec))
     prompts = PROMPTS[:4]
@@ -239,3 +240,8 @@ def test_batched_reads_at_every_step_equal_hugging_face(llama, hf_llama):
         for k in range(1, 5):
             assert_close(saves["hidden"][k] + saves["residual"][k], ref[n - 1 + k : n + k])
         torch.testing.assert_close(saves["first"], saves["hidden"][0])
+        # "sum": the residual stream itself, half the bytes of both halves
+        assert len(saves["stream"]) == 5
+        assert_close(saves["stream"][0], ref[:n])
+        for k in range(1, 5):
+            torch.testing.assert_close(saves["stream"][k], saves["hidden"][k] + saves["residual"][k])

@@ -355,3 +355,29 @@ def test_lane_tables_follow_the_batch_when_steps_repeat_or_change(llama_path):
         assert all(s.error is None for blocks in inter.sessions.values() for s in blocks)
     finally:
         lanes.reset()
+
+
+def test_batched_prompt_reads_ship_after_the_first_step(configs):
+    """A batched read of the prompt only is complete after the first step: it ships
+    then (crossing to the caller while the request decodes), not again later."""
+    import json
+
+    from vllm import SamplingParams
+
+    model = _Net()
+    inter = Interleaver(model, configs[True])
+    spec = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "read", "name": "h", "module": "pair", "index": 0, "steps": "prefill"}]})
+    inter.admit("p", {"nnsight": spec}, SamplingParams(max_tokens=4, ignore_eos=True))
+    shipped = []
+    for step, tokens in enumerate((3, 1, 1)):
+        x = torch.randn(tokens, 4)
+        with torch.inference_mode():
+            inter.begin_step(StepLayout({"p": (0, tokens)}, {"p": 0}, tokens))
+            model(x)
+            res = inter.end_step({"p"} if step == 2 else set())
+        shipped.append((res.get("p") or {}).get("saves"))
+        if step == 0:
+            want = model.pair.lin(x)
+    assert torch.allclose(values.decode(shipped[0]["h"]), want)
+    assert shipped[1] is None and shipped[2] is None  # not shipped again

@@ -341,6 +341,7 @@ def test_sixteen_concurrent_requests_half_traced(spec_server, llama_path, hf_lla
     (_spec([{"op": "read", "name": "a", "module": "model.layers.1", "steps": "sometimes"}]), r"ops\[0\]\.steps"),
     (_spec([{"op": "scale", "module": "model.layers.1", "factor": "big"}]), r"ops\[0\]\.factor"),
     (_spec([{"op": "explode", "module": "x"}]), r"ops\[0\]\.op"),
+    (_spec([{"op": "read", "name": "s", "module": "model.layers.1", "index": 0, "sum": True}]), r"ops\[0\]\.sum"),
     ("{not json", "not valid JSON"),
     ("x" * (9 * 1024 * 1024), "over the limit"),
 ])

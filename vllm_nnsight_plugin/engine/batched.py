@@ -26,7 +26,7 @@ import torch
 from . import lanes, taps
 from .host import host_copy, put_rows
 from .rowlog import RowLog
-from .spec_runner import _tensor, pick_index
+from .spec_runner import _tensor, pick_index, read_value
 
 if TYPE_CHECKING:
     from .interleave import Interleaver
@@ -52,6 +52,10 @@ def eligible(env: dict[str, Any]) -> bool:
 
 def reads(env: dict[str, Any]) -> bool:
     return any(op["op"] == "read" for op in env["ops"])
+
+
+def prefill_reads(env: dict[str, Any]) -> bool:
+    return any(op["op"] == "read" and op.get("steps", "prefill") == "prefill" for op in env["ops"])
 
 
 @dataclass
@@ -330,6 +334,8 @@ class BatchedEdits:
         last = max(end for _, end in spans)
         name = op["name"]
         once = op.get("steps", "prefill") == "prefill"
+        if op.get("sum"):  # the residual stream: one tensor, summed on the device
+            value = read_value(value, op)
         if op.get("index") is None and isinstance(value, (tuple, list)):  # e.g. (hidden, residual)
             parts = [host_copy(_per_token_tensor({}, v, num_tokens)[:last]) if v is not None else None
                      for v in value]

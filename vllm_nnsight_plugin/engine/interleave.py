@@ -141,6 +141,7 @@ class Interleaver:
             self.batched.add(session, env, batch_index)
             session.batched = True
             session.batched_reads = batched.reads(env)
+            session.prefill_reads = batched.prefill_reads(env)
             session.wait = Wait("step", 1 << 62)
             if self.eager:
                 for op in env["ops"]:
@@ -274,8 +275,10 @@ class Interleaver:
             if not blocks:
                 continue
             if req_id not in coded and req_id not in finishing and req_id not in report \
-                    and all(s.active for s in blocks):  # batched specs only
-                for session in blocks:  # nothing to record until the request ends
+                    and all(s.active and not (s.prefill_reads and s.step == 0) for s in blocks):
+                # batched specs only, nothing to ship yet (per-step rows ship at the end;
+                # prompt reads right after the first step, while the request decodes)
+                for session in blocks:
                     session.step += 1
                 continue
             for session in blocks:

@@ -144,6 +144,7 @@ class RequestSession:
     final: bool = False  # its last state has been recorded
     batched: bool = False  # a batched spec: no greenlet, applied by the interleaver
     batched_reads: bool = False  # ...that reads: its saves ship when the request ends
+    prefill_reads: bool = False  # ...at the prompt only: those ship after the first step
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _on_device: bool = True  # the last off_host walk found a device tensor (to_host maps it)
     _glet: greenlet.greenlet | None = None

@@ -41,6 +41,21 @@ def _rows(value: torch.Tensor, positions: list[int] | None) -> Any:
     return torch.tensor(rows, device=value.device)
 
 
+def read_value(value: Any, op: dict[str, Any]) -> Any:
+    """What a read op saves of a location's value: the ``index`` element, or with
+    ``"sum": true`` the sum of its tensors (a decoder layer's residual stream)."""
+    if not op.get("sum"):
+        return pick_index(value, op.get("index"))
+    parts = [value] if isinstance(value, torch.Tensor) else \
+        [v for v in value if v is not None] if isinstance(value, (tuple, list)) else []
+    if not parts or not all(isinstance(v, torch.Tensor) for v in parts):
+        raise TypeError(f"'sum' needs tensors, but the value is a {type(value).__name__}")
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part  # a new tensor (the live ones stay as they are)
+    return total if len(parts) > 1 else total.clone()
+
+
 def pick_index(value: Any, index: int | None) -> Any:
     """The op's ``index`` element of a tuple-valued location (the value itself if None)."""
     if index is None:
@@ -62,12 +77,14 @@ def _apply(inter: Interleaver, session: RequestSession, op: dict[str, Any], out:
         vals, ids = inter.root.logits[0].float().topk(op["k"])
         out["value"] = {"values": vals.clone(), "ids": ids.clone()}
         return
-    value = _location(inter, op)
     if kind == "read":
+        envoy = inter.envoy_at(op["module"])
+        value = read_value(envoy.input if op.get("io", "output") == "input" else envoy.output, op)
         if isinstance(value, torch.Tensor) and op.get("positions") is not None:
             value = value[_rows(value, op["positions"])]
         out["value"] = session.save(value)
         return
+    value = _location(inter, op)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op['module']}.{op.get('io', 'output')} is a {type(value).__name__}: set 'index'")
     rows = _rows(value, op.get("positions"))

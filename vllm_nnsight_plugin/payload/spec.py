@@ -8,6 +8,7 @@ as code blocks::
 
     {"v": 1, "kind": "spec", "ops": [
       {"op": "read", "name": "h1", "module": "model.layers.1", "index": 0, "positions": [-1]},
+      {"op": "read", "name": "stream", "module": "model.layers.1", "sum": true, "steps": "all"},
       {"op": "add", "module": "model.layers.0", "index": 0, "value": [0.1, ...], "steps": "all"},
       {"op": "logits_topk", "name": "top", "k": 5, "steps": "all"}]}
 """
@@ -63,6 +64,8 @@ def validate(env: dict[str, Any]) -> dict[str, Any]:
             known = ", ".join(k[3:] for k in schema()["$defs"] if k.startswith("op_"))
             raise PayloadError(f"invalid spec at ops[{i}].op: {kind!r} is not one of {known}")
         _check(op, f"#/$defs/op_{kind}", f"ops[{i}]")
+        if op.get("sum") and op.get("index") is not None:
+            raise PayloadError(f"invalid spec at ops[{i}].sum: a sum of the value's tensors takes no index")
         if "name" in op:
             if op["name"] in names:
                 raise PayloadError(f"invalid spec at ops[{i}].name: {op['name']!r} is used twice")
