@@ -8,8 +8,8 @@ This drives the worker's ``Interleaver`` exactly as the runner adapters do each
 step (``begin_step``, the forward with the tap op at layer 8's output, logits,
 ``end_step``) on a small torch model with vLLM's config of a compiled, tapped
 engine (lanes on), and subtracts the same forward untraced. Workloads as the headline's:
-a batched steering spec, batched every-step reads of both halves of the residual
-stream, and the same two as code blocks. Prints a markdown table: plugin time per
+a batched steering spec, batched every-step reads of the residual stream (``"sum"``:
+output[0] + output[1]), and the same two as code blocks. Prints a markdown table: plugin time per
 step and per request-step, and the share of the last step (results encoded as they
 leave the worker). Compare rows within one run.
 """
@@ -78,8 +78,7 @@ def _payloads() -> dict[str, str]:
         "steer_spec": json.dumps({**spec, "ops": [{"op": "add", "module": "model.layers.8", "index": 0,
                                                    "value": [0.01] * HIDDEN, "steps": "all"}]}),
         "every_token_spec": json.dumps({**spec, "ops": [
-            {"op": "read", "name": "hidden", "module": "model.layers.8", "index": 0, "steps": "all"},
-            {"op": "read", "name": "residual", "module": "model.layers.8", "index": 1, "steps": "all"}]}),
+            {"op": "read", "name": "stream", "module": "model.layers.8", "sum": True, "steps": "all"}]}),
         "steer (code)": make_payload(steer),
         "every_token (code)": make_payload(every_token),
     }

@@ -309,9 +309,10 @@ def test_lane_tables_follow_the_batch_when_steps_repeat_or_change(llama_path):
         root = _Root()
         inter = Interleaver(root, config, taps.install(root, taps.from_settings(tap)))
 
-        def spec(v: float) -> str:
+        def spec(v: float) -> str:  # steer, then read the residual stream it leaves
             return json.dumps({"v": 1, "kind": "spec", "ops": [
-                {"op": "add", "module": "model.layers.1", "index": 0, "value": [v] * 4, "steps": "all"}]})
+                {"op": "add", "module": "model.layers.1", "index": 0, "value": [v] * 4, "steps": "all"},
+                {"op": "read", "name": "stream", "module": "model.layers.1", "sum": True, "steps": "all"}]})
 
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         steer = {"a": 1.0, "b": -2.0, "c": 0.5}
@@ -331,6 +332,8 @@ def test_lane_tables_follow_the_batch_when_steps_repeat_or_change(llama_path):
             {"b": (0, 1), "u": (1, 2), "c": (2, 3)},
         ]
         served = lanes.STATS["lane"]
+        streams: dict[str, list[torch.Tensor]] = {"b": [], "c": []}
+        shipped = {}
         for step, spans in enumerate(layouts):
             if step == 5:
                 inter.finish(["a"])
@@ -341,7 +344,7 @@ def test_lane_tables_follow_the_batch_when_steps_repeat_or_change(llama_path):
             with torch.inference_mode():  # as vLLM's execute_model runs
                 inter.begin_step(StepLayout(spans, {r: i for i, r in enumerate(spans)}, tokens))
                 out = root.model(x)
-                inter.end_step()
+                shipped.update(inter.end_step({"b", "c"} if step == len(layouts) - 1 else set()))
             with torch.inference_mode():  # the same layers with no step open: nothing applied
                 h0, r0 = root.model.layers[0](x)
                 h1, r1 = root.model.layers[1](h0 + r0)
@@ -351,6 +354,11 @@ def test_lane_tables_follow_the_batch_when_steps_repeat_or_change(llama_path):
                     assert torch.equal(out[start:end], h1[start:end] + r1[start:end]), step
                 else:
                     assert torch.allclose(out[start:end], want, atol=1e-6), (step, req_id)
+                    if req_id in streams:
+                        streams[req_id].append(want)
+        for req_id, rows in streams.items():  # the lanes' reads, summed: what the edit left
+            got = values.decode(shipped[req_id]["saves"]["stream"])
+            assert len(got) == len(rows) and all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, rows))
         assert lanes.STATS["lane"] - served == len(layouts)  # every step served by the lanes
         assert all(s.error is None for blocks in inter.sessions.values() for s in blocks)
     finally:
