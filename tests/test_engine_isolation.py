@@ -91,6 +91,44 @@ def test_prefix_cache_never_mixes_edited_and_clean_kv(llama, hf_llama):
     assert int(clean_ref[-1].argmax()) == first_token
 
 
+def test_identical_edit_specs_share_prompt_kv_and_nothing_else_does(llama):
+    """Requests carrying the same edit-only batched spec share prompt KV among
+    themselves (computed under that same edit, as stock prefix caching shares clean
+    KV); a request that reads, and a clean one, never take it."""
+    import json
+
+    llm = llama.vllm_entrypoint
+    steer = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "add", "module": "model.layers.0", "index": 0, "value": [0.5] * 64, "steps": "all"}]})
+    other = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "add", "module": "model.layers.0", "index": 0, "value": [-0.5] * 64, "steps": "all"}]})
+    read = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "read", "name": "h", "module": "model.layers.0", "index": 0, "steps": "all"}]})
+
+    def params(payload: str | None) -> SamplingParams:
+        p = _plain(3)
+        if payload:
+            p.extra_args = {"nnsight": payload}
+        return p
+
+    clean = llm.generate([LONG], params(None), use_tqdm=False)[0]
+    first = llm.generate([LONG], params(steer), use_tqdm=False)[0]
+    again = llm.generate([LONG], params(steer), use_tqdm=False)[0]
+    assert not first.num_cached_tokens  # nothing computed under this edit yet (and not the clean KV)
+    assert again.num_cached_tokens and again.num_cached_tokens > 200  # the first one's, same edit
+    tokens, lps = _tokens_and_logprobs(first)
+    tokens_again, lps_again = _tokens_and_logprobs(again)
+    assert tokens_again == tokens and tokens != _tokens_and_logprobs(clean)[0]
+    for a, b in zip(lps, lps_again):
+        assert a.keys() == b.keys() and all(abs(a[t][0] - b[t][0]) < 1e-4 for t in a)
+    assert not llm.generate([LONG], params(other), use_tqdm=False)[0].num_cached_tokens  # another edit
+    reading = llm.generate([LONG], params(read), use_tqdm=False)[0]
+    assert not reading.num_cached_tokens  # a read computes its prompt
+    assert results(reading)["h"][0].shape[0] == len(reading.prompt_token_ids)
+    clean_after = llm.generate([LONG], params(None), use_tqdm=False)[0]
+    assert _tokens_and_logprobs(clean_after)[0] == _tokens_and_logprobs(clean)[0]
+
+
 def test_error_in_one_invoke_ends_only_that_request(llama):
     with pytest.raises(ZeroDivisionError) as info:
         with llama.trace(temperature=0.0, max_tokens=4) as tracer:

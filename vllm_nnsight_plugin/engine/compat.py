@@ -417,7 +417,7 @@ def shutdown_llm(llm: Any) -> None:
 
 
 def salt_request(engine_core_request: Any, salt: str) -> None:
-    """A unique cache salt: no prefix-cache reads from, or writes for, others."""
+    """A cache salt: no prefix-cache reads from, or writes for, requests with another."""
     old = engine_core_request.cache_salt
     engine_core_request.cache_salt = f"{old}|{salt}" if old else salt
 

@@ -2,13 +2,15 @@
 
 Every payload is validated here, before it reaches the engine: structure, size,
 the operator's policy (code payloads over HTTP need an opt-in), and ``n == 1``.
-A traced request also gets a unique prefix-cache salt, so it neither reads KV
-computed without its intervention nor leaves edited KV for anyone else.
+A traced request also gets a prefix-cache salt, so it neither reads KV computed
+without its intervention nor leaves edited KV for anyone else: its own, or, for an
+edit-only batched spec, one shared by every request with that same spec.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import logging
 import uuid
 from collections.abc import Callable
@@ -62,17 +64,32 @@ def check_payload(raw: Any, params: Any, vllm_config: Any = None) -> dict[str, A
     return env
 
 
+def cache_salt(raw: Any, env: dict[str, Any] | None) -> str:
+    """The prefix-cache salt of a traced request. Requests whose only intervention is
+    one batched edit spec (steering, ablation: no reads, every step, whole rows) share
+    prompt KV among themselves, keyed by the spec's text: that KV was computed under
+    the very same edit, as it would be again (stock prefix caching's own assumption).
+    Anything else gets a salt of its own: a read must see its prompt computed, and a
+    block's edits depend on more than its text."""
+    from . import batched
+
+    if env is not None and not edits.INSTALLED and env["kind"] == "spec" and batched.eligible(env) \
+            and not batched.reads(env):
+        text = raw.encode() if isinstance(raw, str) else bytes(raw)
+        return f"nnsight-spec-{hashlib.sha256(text).hexdigest()}"
+    return f"nnsight-{uuid.uuid4().hex}"
+
+
 def _process_inputs(original: Callable) -> Callable:
     def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         extra = compat.sampling_extra_args(params)
         raw = extra.get(codec.PAYLOAD_KEY) if extra else None
-        if raw is not None:
-            check_payload(raw, params, getattr(self, "vllm_config", None))
+        env = check_payload(raw, params, getattr(self, "vllm_config", None)) if raw is not None else None
         if edits.INSTALLED:
             edits.check_selection((extra or {}).get(compat.EDITS_KEY))
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None or edits.INSTALLED:
-            compat.salt_request(request, f"nnsight-{uuid.uuid4().hex}")
+            compat.salt_request(request, cache_salt(raw, env))
         return request
 
     return process_inputs
