@@ -17,6 +17,7 @@ leave the worker). Compare rows within one run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     args = parser.parse_args()
     config = _config()
+    gc.collect()
+    gc.freeze()  # as vLLM's engine core does after start-up (freeze_gc_heap): no scans of static objects
     n, steps = args.requests, args.steps
     print(f"{n} requests, {steps} decode steps; the plugin's time per step (the step's time minus the "
           "same forward untraced; the runner adapters' own loops are not included)\n")
