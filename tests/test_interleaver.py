@@ -389,3 +389,12 @@ def test_batched_prompt_reads_ship_after_the_first_step(configs):
             want = model.pair.lin(x)
     assert torch.allclose(values.decode(shipped[0]["h"]), want)
     assert shipped[1] is None and shipped[2] is None  # not shipped again
+
+
+def test_a_row_log_with_no_rows_encodes_as_an_empty_list():
+    """A request that failed before its first read still ships (its error, and an
+    empty list for the read), never a crash in the engine."""
+    from vllm_nnsight_plugin.engine.rowlog import RowLog
+
+    assert values.decode(values.encode(RowLog(), binary=True)) == []
+    assert values.decode(values.encode(RowLog())) == []

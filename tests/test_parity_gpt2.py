@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import HFRun, assert_close
 from vllm import SamplingParams
 
-from vllm_nnsight_plugin import InterventionError
+from vllm_nnsight_plugin import InterventionError, results
 
 PROMPT = "The capital of Japan is"
 
@@ -59,3 +61,10 @@ def test_chunked_prefill_gives_a_clear_per_request_error(gpt2):
             gpt2.transformer.h[0].output.save()
     plain = gpt2.vllm_entrypoint.generate([long], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert len(plain.prompt_token_ids) > 64 and len(plain.outputs[0].token_ids) == 2
+    # a batched read too: its prompt rows would otherwise arrive in pieces (never silently partial)
+    read = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "read", "name": "h", "module": "transformer.h.0", "index": 0, "steps": "all"}]})
+    out = gpt2.vllm_entrypoint.generate([long], SamplingParams(max_tokens=2, extra_args={"nnsight": read}),
+                                        use_tqdm=False)[0]
+    with pytest.raises(InterventionError, match="chunked prefill"):
+        results(out)

@@ -210,9 +210,10 @@ class Interleaver:
             self.results.setdefault(req_id, {})["error"] = engine_error(message)
 
     def stateless(self, req_id: str) -> bool:
-        """Only batched edits: a recompute or a split prompt gets them again, row by row."""
+        """Only batched edits: a recompute or a split prompt gets them again, row by row.
+        (Not batched reads: their rows would come in pieces, or twice.)"""
         blocks = self.sessions.get(req_id)
-        return bool(blocks) and all(s.batched and s.active for s in blocks)
+        return bool(blocks) and all(s.batched and s.active and not s.batched_reads for s in blocks)
 
     def preempted(self, req_id: str) -> None:
         """vLLM preempted the request and will recompute its forward."""
@@ -333,7 +334,7 @@ class Interleaver:
                 merged.update(session.last)
             try:
                 entry["saves"] = codec.encode_saves(merged, binary=True)
-            except TypeError as exc:  # a saved value the result format cannot carry: the request ends
+            except Exception as exc:  # noqa: BLE001 - a value that cannot be encoded ends its request only
                 for session in blocks:
                     self._unwait(session)
                     session.fail(exc)

@@ -79,6 +79,8 @@ class RowLog:
         """The per-step values (views of the host blocks; after :func:`.host.wait`)."""
         if self._items is not None:
             return list(self._items)
+        if not self._runs:
+            return []  # no step gave rows (the request failed first)
         flat = self._gather(None)
         out, offset = [], 0
         for n in self.counts:
