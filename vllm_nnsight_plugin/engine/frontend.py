@@ -70,7 +70,8 @@ def cache_salt(raw: Any, env: dict[str, Any] | None) -> str:
     prompt KV among themselves, keyed by the spec's text: that KV was computed under
     the very same edit, as it would be again (stock prefix caching's own assumption).
     Anything else gets a salt of its own: a read must see its prompt computed, and a
-    block's edits depend on more than its text."""
+    block's edits depend on more than its text. (A spec that fails deterministically,
+    e.g. a value of the wrong width, fails again for the next request with its text.)"""
     from . import batched
 
     if env is not None and not edits.INSTALLED and env["kind"] == "spec" and batched.eligible(env) \
