@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..payload.spec import is_single
 from . import lanes, taps
 from .host import host_copy, put_rows
 from .rowlog import RowLog
@@ -55,7 +56,7 @@ def reads(env: dict[str, Any]) -> bool:
 
 
 def prefill_reads(env: dict[str, Any]) -> bool:
-    return any(op["op"] == "read" and op.get("steps", "prefill") == "prefill" for op in env["ops"])
+    return any(op["op"] == "read" and is_single(op) for op in env["ops"])
 
 
 @dataclass
@@ -86,7 +87,7 @@ class BatchedEdits:
         """Register a request's ops (applied in block then spec order per location)."""
         entries = []
         for op in env["ops"]:
-            if op["op"] == "read" and op.get("steps", "prefill") != "prefill":
+            if op["op"] == "read" and not is_single(op):
                 session.namespace[op["name"]] = session.keep(RowLog())  # one row block per step
         for number, op in enumerate(env["ops"]):
             envoy = self.inter.envoy_at(op["module"])
@@ -333,7 +334,7 @@ class BatchedEdits:
         per-step read notes where its rows are (:class:`.rowlog.RowLog`)."""
         last = max(end for _, end in spans)
         name = op["name"]
-        once = op.get("steps", "prefill") == "prefill"
+        once = is_single(op)
         if op.get("sum"):  # the residual stream: one tensor, summed on the device
             value = read_value(value, op)
         if op.get("index") is None and isinstance(value, (tuple, list)):  # e.g. (hidden, residual)

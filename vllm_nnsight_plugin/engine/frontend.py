@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..payload import codec
-from . import compat, edits, taps
+from . import batched, compat, edits, taps
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -72,8 +72,6 @@ def cache_salt(raw: Any, env: dict[str, Any] | None) -> str:
     Anything else gets a salt of its own: a read must see its prompt computed, and a
     block's edits depend on more than its text. (A spec that fails deterministically,
     e.g. a value of the wrong width, fails again for the next request with its text.)"""
-    from . import batched
-
     if env is not None and not edits.INSTALLED and env["kind"] == "spec" and batched.eligible(env) \
             and not batched.reads(env):
         text = raw.encode() if isinstance(raw, str) else bytes(raw)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..payload import values as tagged
+from .tree import leaves
 
 
 class RowLog:
@@ -66,13 +67,14 @@ class RowLog:
     def nbytes(self) -> int:
         like = self._like()
         if like is None:
-            return sum(t.numel() * t.element_size() for item in self._items or () for t in _tensors(item))
+            return sum(t.numel() * t.element_size() for t in leaves(self._items or ())
+                       if isinstance(t, torch.Tensor))
         return sum(self.counts) * like[:1].numel() * like.element_size()
 
     def count(self) -> int:
         """Leaf values, as a list of the per-step values would count them."""
         if self._items is not None:
-            return sum(len(_tensors(item)) or 1 for item in self._items)
+            return sum(1 for _ in leaves(self._items))
         return len(self.counts)
 
     def tensors(self) -> list[Any]:
@@ -113,11 +115,3 @@ class RowLog:
             self._gather(torch.frombuffer(data, dtype=like.dtype).view(-1, *inner))
         return {"$tensors": {"dtype": tagged.dtype_name(like.dtype),
                              "shapes": [[n, *inner] for n in self.counts], "data": data}}
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for t in value if isinstance(t, torch.Tensor)]
-    return []

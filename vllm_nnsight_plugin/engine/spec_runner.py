@@ -66,9 +66,9 @@ def pick_index(value: Any, index: int | None) -> Any:
 
 
 def _location(inter: Interleaver, op: dict[str, Any]) -> Any:
+    """The op's value at its location (its ``index`` element, or a read's ``sum``)."""
     envoy = inter.envoy_at(op["module"])
-    value = envoy.input if op.get("io", "output") == "input" else envoy.output
-    return pick_index(value, op.get("index"))
+    return read_value(envoy.input if op.get("io", "output") == "input" else envoy.output, op)
 
 
 def _apply(inter: Interleaver, session: RequestSession, op: dict[str, Any], out: dict[str, Any]) -> None:
@@ -77,14 +77,12 @@ def _apply(inter: Interleaver, session: RequestSession, op: dict[str, Any], out:
         vals, ids = inter.root.logits[0].float().topk(op["k"])
         out["value"] = {"values": vals.clone(), "ids": ids.clone()}
         return
+    value = _location(inter, op)
     if kind == "read":
-        envoy = inter.envoy_at(op["module"])
-        value = read_value(envoy.input if op.get("io", "output") == "input" else envoy.output, op)
         if isinstance(value, torch.Tensor) and op.get("positions") is not None:
             value = value[_rows(value, op["positions"])]
         out["value"] = session.save(value)
         return
-    value = _location(inter, op)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op['module']}.{op.get('io', 'output')} is a {type(value).__name__}: set 'index'")
     rows = _rows(value, op.get("positions"))
