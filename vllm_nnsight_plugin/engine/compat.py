@@ -22,6 +22,7 @@ V1_GRAPH_DISPATCH = "_determine_batch_execution_and_padding"  # picks FULL/PIECE
 RUNNER_V2 = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")  # Model Runner V2 (same class name)
 V2_GRAPH_DISPATCH = "dispatch_cg_and_sync_dp"  # module function of RUNNER_V2's module
 SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
+SCHEDULER_REQUEST_UPDATE = "_update_request_with_output"  # per request per step: (new ids, stopped)
 INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
 ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")

@@ -23,6 +23,8 @@ from . import compat
 logger = logging.getLogger("vllm_nnsight_plugin")
 
 _STORE = "_nnsight_results"
+_HALTING = "_nnsight_halting"  # ids whose block failed or stopped: their requests stop
+_OVERRIDE = compat.SCHEDULER_REQUEST_UPDATE  # vLLM's per-request update, wrapped per instance
 
 
 def _store(scheduler: Any) -> dict[str, dict[str, Any]]:
@@ -32,7 +34,10 @@ def _store(scheduler: Any) -> dict[str, dict[str, Any]]:
     return store
 
 
-def merge(store: dict[str, dict[str, Any]], step_results: dict[str, dict[str, Any]]) -> None:
+def merge(store: dict[str, dict[str, Any]], step_results: dict[str, dict[str, Any]],
+          halting: set[str] | None = None) -> None:
+    """Fold a step's results into the store; ids whose block failed or stopped join
+    ``halting``."""
     for req_id, update in step_results.items():
         entry = store.setdefault(req_id, {"saves": {}, "warnings": []})
         if "saves" in update:
@@ -46,6 +51,8 @@ def merge(store: dict[str, dict[str, Any]], step_results: dict[str, dict[str, An
                 entry[key] = update[key]
         if update.get("warnings"):
             entry["warnings"] = update["warnings"]
+        if halting is not None and (entry.get("error") or entry.get("stop")):
+            halting.add(req_id)
 
 
 def finalize(entry: dict[str, Any]) -> dict[str, Any]:
@@ -67,10 +74,19 @@ def _update_from_output(original: Callable) -> Callable:
         store = self.__dict__.get(_STORE)
         if step_results:
             store = _store(self)
-            merge(store, step_results)
+            merge(store, step_results, self.__dict__.setdefault(_HALTING, set()))
         if not store:
             return original(self, scheduler_output, model_runner_output)
-        outputs = original(self, scheduler_output, model_runner_output)
+        halting = self.__dict__.get(_HALTING)
+        if halting:
+            halting.intersection_update(store)
+        if halting:  # this step only: untraced steps keep vLLM's own per-request update
+            self.__dict__[_OVERRIDE] = _halting_update(
+                getattr(type(self), _OVERRIDE).__get__(self), halting, store)
+        try:
+            outputs = original(self, scheduler_output, model_runner_output)
+        finally:
+            self.__dict__.pop(_OVERRIDE, None)
         for eco in compat.iter_engine_outputs(outputs):
             entry = store.get(eco.request_id)
             if entry is None:
@@ -98,15 +114,17 @@ def _update_from_output(original: Callable) -> Callable:
     return update_from_output
 
 
-def _update_request_with_output(original: Callable) -> Callable:
-    def update_request_with_output(self: Any, request: Any, new_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        new_token_ids, stopped = original(self, request, new_token_ids, *args, **kwargs)
-        store = self.__dict__.get(_STORE)
-        if not stopped and store:
-            entry = store.get(request.request_id)
-            if entry is not None and (entry.get("error") or entry.get("stop")):
-                compat.stop_request(request, "nnsight_error" if entry.get("error") else "nnsight_stop")
-                stopped = True
+def _halting_update(update: Callable, halting: set[str], store: dict[str, dict[str, Any]]) -> Callable:
+    """vLLM's per-request update, stopping the requests in ``halting`` (their block
+    failed or called ``tracer.stop()``) in this step. Installed on the scheduler
+    instance only for a step that has such a request: a wrapper on every request of
+    every step would cost the untraced traffic a Python call each."""
+    def update_request_with_output(request: Any, new_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        new_token_ids, stopped = update(request, new_token_ids, *args, **kwargs)
+        if not stopped and request.request_id in halting:
+            errored = store.get(request.request_id, {}).get("error")
+            compat.stop_request(request, "nnsight_error" if errored else "nnsight_stop")
+            stopped = True
         return new_token_ids, stopped
 
     return update_request_with_output
@@ -114,4 +132,3 @@ def _update_request_with_output(original: Callable) -> Callable:
 
 def install(scheduler_cls: type) -> None:
     compat.patch_method(scheduler_cls, "update_from_output", _update_from_output)
-    compat.patch_method(scheduler_cls, "_update_request_with_output", _update_request_with_output)
