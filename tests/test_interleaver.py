@@ -391,6 +391,43 @@ def test_batched_prompt_reads_ship_after_the_first_step(configs):
     assert shipped[1] is None and shipped[2] is None  # not shipped again
 
 
+def test_a_prompt_only_read_is_over_after_its_step_but_an_edit_beside_it_is_not(configs):
+    """A spec of prompt reads only has nothing left after the first step: its session
+    ends there (done, no per-step work while the request decodes). One that also
+    steers stays, and its edit keeps applying at later steps. Only requests that can
+    park between steps (a block, a batched read) need the runner's finish prediction."""
+    import json
+
+    from vllm import SamplingParams
+
+    torch.manual_seed(0)
+    model = _Net()
+    inter = Interleaver(model, configs[True])
+    read = {"op": "read", "name": "h", "module": "pair", "index": 0, "steps": "prefill"}
+    steer = {"op": "add", "module": "pair", "index": 0, "value": [1.0] * 4, "steps": "all"}
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    inter.admit("p", {"nnsight": json.dumps({"v": 1, "kind": "spec", "ops": [read]})}, params)
+    inter.admit("s", {"nnsight": json.dumps({"v": 1, "kind": "spec", "ops": [read, steer]})}, params)
+    inter.admit("e", {"nnsight": json.dumps({"v": 1, "kind": "spec", "ops": [steer]})}, params)
+    inter.admit("c", {"nnsight": make_payload(read_layer)}, params)
+    assert inter.stepwise == {"p", "s", "c"}  # steering alone never parks
+    for step, tokens in enumerate((2, 1)):
+        spans = {"p": (0, tokens), "s": (tokens, 2 * tokens), "e": (2 * tokens, 3 * tokens)}
+        x = torch.randn(3 * tokens, 4)
+        with torch.inference_mode():
+            inter.begin_step(StepLayout(spans, {r: i for i, r in enumerate(spans)}, 3 * tokens))
+            h, _ = model.pair(x)
+            res = inter.end_step()
+        clean = model.pair.lin(x)
+        # the steered rows (s, e) got the vector at every step; p's rows did not
+        assert torch.allclose(h[: tokens], clean[: tokens])
+        assert torch.allclose(h[tokens:], clean[tokens:] + 1.0)
+        if step == 0:
+            assert res["p"]["done"] and torch.allclose(values.decode(res["p"]["saves"]["h"]), clean[:tokens])
+            assert "p" not in inter.sessions and "p" not in inter.stepwise  # over: nothing per step
+            assert "s" in inter.sessions and "e" in inter.sessions
+
+
 def test_a_row_log_with_no_rows_encodes_as_an_empty_list():
     """A request that failed before its first read still ships (its error, and an
     empty list for the read), never a crash in the engine."""

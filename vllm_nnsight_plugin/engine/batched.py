@@ -59,6 +59,11 @@ def prefill_reads(env: dict[str, Any]) -> bool:
     return any(op["op"] == "read" and is_single(op) for op in env["ops"])
 
 
+def prompt_only(env: dict[str, Any]) -> bool:
+    """Only reads at the prompt: nothing is left to do after the first step."""
+    return all(op["op"] == "read" and is_single(op) for op in env["ops"])
+
+
 @dataclass
 class Entry:
     session: RequestSession

@@ -65,6 +65,9 @@ class Interleaver:
         self._unshipped: dict[str, list[RequestSession]] = {}  # requests with a fresh snapshot...
         self._moving: list[RequestSession] = []  # ...whose blocks' snapshots are still on the device
         self.coded: set[str] = set()  # requests with a block that runs (not only batched specs)
+        # requests that may park between steps (a block, or a batched read): only these
+        # need the runner's finish prediction each step; steering alone never does
+        self.stepwise: set[str] = set()
         self._parents: dict[int, torch.nn.Module] | None = None
         self._ranks: dict[str, int] | None = None
 
@@ -86,6 +89,8 @@ class Interleaver:
             self.traced.add(req_id)
             if not all(b.batched for b in blocks):
                 self.coded.add(req_id)
+            if any(b.batched_reads or not b.batched for b in blocks):
+                self.stepwise.add(req_id)
             self.params[req_id] = params
             if extra.get(compat.STREAM_KEY) or getattr(params, "stop", None) or params is None:
                 self.report_every_step.add(req_id)
@@ -142,6 +147,7 @@ class Interleaver:
             session.batched = True
             session.batched_reads = batched.reads(env)
             session.prefill_reads = batched.prefill_reads(env)
+            session.prompt_only = batched.prompt_only(env)
             session.wait = Wait("step", 1 << 62)
             if self.eager:
                 for op in env["ops"]:
@@ -195,6 +201,7 @@ class Interleaver:
             self._unshipped.pop(req_id, None)
             self.traced.discard(req_id)
             self.coded.discard(req_id)
+            self.stepwise.discard(req_id)
             self.params.pop(req_id, None)
             self.report_every_step.discard(req_id)
             self._reported.pop(req_id, None)
@@ -270,18 +277,21 @@ class Interleaver:
             return {}
         self.batched.finish_lanes(layout)
         self.batched.check_reached(layout)
-        sessions, coded, report = self.sessions, self.coded, self.report_every_step
+        sessions = self.sessions
+        loud = self.coded | self.report_every_step | finishing  # (requests that may ship this step)
         for req_id in layout.spans:
             blocks = sessions.get(req_id)
             if not blocks:
                 continue
-            if req_id not in coded and req_id not in finishing and req_id not in report \
-                    and all(s.active and not (s.prefill_reads and s.step == 0) for s in blocks):
-                # batched specs only, nothing to ship yet (per-step rows ship at the end;
-                # prompt reads right after the first step, while the request decodes)
+            if req_id not in loud:
                 for session in blocks:
-                    session.step += 1
-                continue
+                    if not session.active or (session.prefill_reads and session.step == 0):
+                        break
+                else:  # batched specs only, nothing to ship yet (per-step rows ship at the
+                    # end; prompt reads right after the first step, while the request decodes)
+                    for session in blocks:
+                        session.step += 1
+                    continue
             for session in blocks:
                 if not session.active:
                     continue
@@ -296,6 +306,8 @@ class Interleaver:
                 session.step += 1
                 if req_id in finishing:
                     self._run(session, session.end)
+                elif session.prompt_only:  # its prompt rows ship now; later steps skip it
+                    session.over()
             self._record(req_id)
             if not any(s.active for s in blocks):  # results shipped: no more per-step work
                 for session in blocks:
@@ -303,6 +315,7 @@ class Interleaver:
                     session.close()
                 del self.sessions[req_id]
                 self.coded.discard(req_id)
+                self.stepwise.discard(req_id)
         self.layout = None
         if not self.sessions:  # nothing live can hold a served view: start the storage set afresh
             self._served = set()
@@ -343,7 +356,7 @@ class Interleaver:
 
     def between_steps(self, req_id: str) -> bool:
         """A block parked until a later step (``tracer.iter``/``tracer.all()``)."""
-        return any(s.active and (s.batched_reads or not s.batched) and s.wait is not None
+        return req_id in self.stepwise and any(s.active and (s.batched_reads or not s.batched) and s.wait is not None
                    and s.wait.kind == "step" for s in self.sessions.get(req_id, ()))
 
     def _record(self, req_id: str) -> None:

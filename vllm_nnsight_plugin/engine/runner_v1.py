@@ -148,9 +148,11 @@ def _sample_tokens(original: Callable) -> Callable:
         inter = self.__dict__.get(_ATTR)
         if inter is not None and inter.layout is not None:
             layout = inter.layout
+            stepwise = inter.stepwise  # (requests that only steer never park between steps)
             finishing = {
-                r for r in layout.spans
-                if inter.between_steps(r) and compat.will_finish(self, r, lambda r=r: layout.sampled_token(r))
+                r for r in (layout.spans if stepwise else ())
+                if r in stepwise and inter.between_steps(r)
+                and compat.will_finish(self, r, lambda r=r: layout.sampled_token(r))
             }
             close_step(inter, out, finishing)
         return out

@@ -77,8 +77,9 @@ def _sample_tokens(original: Callable) -> Callable:
         params = inter.params
 
         finishing = set()
-        for req_id, start, end, computed, prefill_len, prompt_len in kept[1]:  # prepare_inputs' table
-            if req_id in params and inter.between_steps(req_id) and compat.v2_will_finish(
+        stepwise = inter.stepwise  # (requests that only steer never park between steps)
+        for req_id, start, end, computed, prefill_len, prompt_len in kept[1] if stepwise else ():
+            if req_id in stepwise and req_id in params and inter.between_steps(req_id) and compat.v2_will_finish(
                 self, params[req_id], computed + end - start, prefill_len, prompt_len,
                 lambda r=req_id: layout.sampled_token(r),
             ):

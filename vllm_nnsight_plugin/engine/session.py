@@ -145,6 +145,7 @@ class RequestSession:
     batched: bool = False  # a batched spec: no greenlet, applied by the interleaver
     batched_reads: bool = False  # ...that reads: its saves ship when the request ends
     prefill_reads: bool = False  # ...at the prompt only: those ship after the first step
+    prompt_only: bool = False  # ...and nothing else: the session is over after that step
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _on_device: bool = True  # the last off_host walk found a device tensor (to_host maps it)
     _glet: greenlet.greenlet | None = None
@@ -288,12 +289,17 @@ class RequestSession:
         step leave its loop (``tracer.all()``) and run to its end."""
         self.ended = True
         if self.batched:
-            self.done, self.wait = True, None
-            self._note_over()
+            self.over()
             return
         if self.active and self.wait is not None and self.wait.kind == "step":
             self.wait = None
             self.resume(END)
+
+    def over(self) -> None:
+        """A batched spec with nothing left to do (its prompt reads are taken): done
+        before the request ends, so its later steps cost nothing."""
+        self.done, self.wait = True, None
+        self._note_over()
 
     def touch(self, container: Any = None) -> None:
         """A saved container changed in place: ship it again at the end of the step."""
