@@ -10,6 +10,7 @@ edit-only batched spec, one shared by every request with that same spec.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import logging
 import uuid
@@ -74,9 +75,14 @@ def cache_salt(raw: Any, env: dict[str, Any] | None) -> str:
     e.g. a value of the wrong width, fails again for the next request with its text.)"""
     if env is not None and not edits.INSTALLED and env["kind"] == "spec" and batched.eligible(env) \
             and not batched.reads(env):
-        text = raw.encode() if isinstance(raw, str) else bytes(raw)
-        return f"nnsight-spec-{hashlib.sha256(text).hexdigest()}"
+        return _spec_salt(raw)
     return f"nnsight-{uuid.uuid4().hex}"
+
+
+@functools.lru_cache(maxsize=64)  # one steering spec for a whole batch: hashed once
+def _spec_salt(raw: str | bytes) -> str:
+    text = raw.encode() if isinstance(raw, str) else bytes(raw)
+    return f"nnsight-spec-{hashlib.sha256(text).hexdigest()}"
 
 
 def _process_inputs(original: Callable) -> Callable:

@@ -8,6 +8,7 @@ module paths (``*`` is exactly one path segment), optionally ending in
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -56,4 +57,12 @@ def from_settings(settings: dict[str, Any]) -> TapSet:
     value = settings.get("taps") or ()
     if isinstance(value, str):
         value = [value]
-    return TapSet(value)
+    try:
+        return _parsed(tuple(value))
+    except TypeError:  # unhashable entries: TapSet says what is wrong with them
+        return TapSet(value)
+
+
+@functools.lru_cache(maxsize=16)  # the front end checks every traced request against them
+def _parsed(patterns: tuple) -> TapSet:
+    return TapSet(patterns)
