@@ -80,6 +80,12 @@ _PHASES = [  # (module, class, method): each timed on its own (nested calls coun
     ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "keep_logits"),
     ("vllm_nnsight_plugin.engine.batched", "BatchedEdits", "fill_lanes"),
     ("vllm_nnsight_plugin.engine.batched", "BatchedEdits", "finish_lanes"),
+    ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "between_steps"),
+    ("vllm_nnsight_plugin.engine.compat", None, "v2_batch"),  # module functions: None
+    ("vllm_nnsight_plugin.engine.compat", None, "v2_will_finish"),
+    ("vllm_nnsight_plugin.engine.runner_v2", None, "close_step"),
+    ("vllm_nnsight_plugin.engine.runner_v2", None, "admit_step"),
+    ("vllm_nnsight_plugin.engine.taps", None, "step_graph_mode"),
 ]
 
 
@@ -102,10 +108,15 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
     names = []
     for mod_name, cls_name, meth in _PHASES:
         try:
-            cls = getattr(importlib.import_module(mod_name), cls_name)
+            mod = importlib.import_module(mod_name)
+            cls = mod if cls_name is None else getattr(mod, cls_name)
         except (ImportError, AttributeError):
             continue
-        if meth in cls.__dict__:
+        if cls_name is None and hasattr(mod, meth):  # callers look it up on the module
+            name = f"{mod_name.rsplit('.', 1)[-1]}.{meth}"
+            setattr(mod, meth, timed(name, getattr(mod, meth)))
+            names.append(name)
+        elif cls_name is not None and meth in cls.__dict__:
             name = f"{mod_name.rsplit('.', 1)[-1]}.{cls_name}.{meth}"
             setattr(cls, meth, timed(name, cls.__dict__[meth]))
             names.append(name)

@@ -2,7 +2,8 @@
 
     python3 benchmarks/gpu/table.py benchmarks/gpu/results/headline-2026-11-30-run3-taps.jsonl
 
-Ratios are to stock-with-graphs of the same file (one remote run) and to the
+Ratios are to stock-with-graphs of the same file (one remote run; the mean when the
+run measured it more than once, e.g. first and last to bracket drift) and to the
 variant's own untraced workload; absolute tok/s differ up to 2x between machines.
 """
 
@@ -14,8 +15,11 @@ import sys
 
 def table(path: str) -> str:
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    stock = next((r["tok_s"]["plain"] for r in rows if r["variant"] == "stock_graphs"), None)
-    out = [f"{path}", "| variant | workload | out tok/s | ratio to stock graphs | ratio to own untraced |",
+    stocks = [r["tok_s"]["plain"] for r in rows if r["variant"] == "stock_graphs"]
+    stock = sum(stocks) / len(stocks) if stocks else None
+    note = f"stock graphs: {', '.join(f'{s:,.0f}' for s in stocks)} tok/s" + (
+        f" (mean {stock:,.0f})" if len(stocks) > 1 else "")
+    out = [f"{path}", note, "| variant | workload | out tok/s | ratio to stock graphs | ratio to own untraced |",
            "|---|---|---:|---:|---:|"]
     for r in rows:
         own = r["tok_s"].get("plain")
