@@ -86,8 +86,12 @@ VARIANTS = {
     # the taps engine in-process (no engine-core process): A/B for the cost of moving
     # results between processes (vLLM's msgpack over ZMQ), which in-process runs skip
     "taps_inproc": (True, False, False, ["plain", "every_token_spec", "steer_spec"], True),
+    # the taps engine with glibc keeping freed heap memory (no trim, no per-chunk mmap):
+    # A/B for the page faults of the result buffers built at the end of each request
+    "taps_malloc": (True, False, False, ["plain", "prefill_spec", "every_token_spec"], True),
 }
 IN_PROCESS = {"taps_inproc"}
+MALLOC_ENV = {"taps_malloc": {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}}
 
 
 def workload_params() -> dict:
@@ -171,6 +175,7 @@ def main() -> None:
         env["VLLM_NNSIGHT_DISABLE"] = "0" if plugin else "1"
         if variant in IN_PROCESS:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.update(MALLOC_ENV.get(variant, {}))
         if v1:
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         else:
