@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 MODEL = "/tmp/models/l1b"
 N, PLEN, OLEN = 256, 128, 128
@@ -111,10 +112,9 @@ def workload_params() -> dict:
             "every_token_spec": params(read_spec("all"))}
 
 
-def child(variant: str, reps: int, only: list[str]) -> None:
+def _engine(variant: str, only: list[str], memory: float):
+    """The variant's engine, prompts, workload params and workloads (warmed up)."""
     from vllm import LLM
-
-    from vllm_nnsight_plugin import results
 
     global STEER
     import torch
@@ -126,33 +126,122 @@ def child(variant: str, reps: int, only: list[str]) -> None:
     extra = {"additional_config": {"nnsight": settings}} if taps else {}
     t0 = time.time()
     llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=eager,
-              dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5, seed=0, **extra)
+              dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=memory, seed=0, **extra)
     init = time.time() - t0
     random.seed(0)
     prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(PLEN)]} for _ in range(N)]
-
     sps = workload_params()
     for name in workloads:  # warm-up at full batch size (first full batch compiles kernels)
         llm.generate(prompts, sps[name], use_tqdm=False)
+    return llm, prompts, sps, workloads, init
+
+
+def _timed(llm, prompts, sps, name: str) -> float:
+    """One rep of a workload, in seconds; its results are checked to be there."""
+    from vllm_nnsight_plugin import results
+
+    t = time.time()
+    outs = llm.generate(prompts, sps[name], use_tqdm=False)
+    took = time.time() - t
+    if name == "prefill_spec":
+        assert results(outs[0])["stream"].shape[0] == PLEN
+    if name == "every_token_spec":
+        assert len(results(outs[0])["stream"]) == OLEN
+    if name in ("prefill", "every_token"):
+        stream = results(outs[0])["stream"]
+        assert (stream.shape[0] == PLEN) if name == "prefill" else (len(stream) == OLEN)
+    return took
+
+
+def _row(variant: str, init: float, times: dict[str, list[float]], interleaved: bool = False) -> dict:
+    ntok = N * OLEN
+    return {"variant": variant, "init_s": round(init, 1), "interleaved": interleaved,
+            "tok_s": {w: ntok / statistics.median(v) for w, v in times.items()},
+            "reps": {w: [round(ntok / x) for x in v] for w, v in times.items()}}
+
+
+def child(variant: str, reps: int, only: list[str]) -> None:
+    llm, prompts, sps, workloads, init = _engine(variant, only, 0.5)
     times: dict[str, list[float]] = {w: [] for w in workloads}
     for _ in range(reps):
         for name in workloads:
-            t = time.time()
-            outs = llm.generate(prompts, sps[name], use_tqdm=False)
-            times[name].append(time.time() - t)
-            if name == "prefill_spec":
-                assert results(outs[0])["stream"].shape[0] == PLEN
-            if name == "every_token_spec":
-                assert len(results(outs[0])["stream"]) == OLEN
-            if name in ("prefill", "every_token"):
-                stream = results(outs[0])["stream"]
-                assert (stream.shape[0] == PLEN) if name == "prefill" else (len(stream) == OLEN)
-    ntok = N * OLEN
-    print("RESULT " + json.dumps({
-        "variant": variant, "init_s": round(init, 1),
-        "tok_s": {w: ntok / statistics.median(v) for w, v in times.items()},
-        "reps": {w: [round(ntok / x) for x in v] for w, v in times.items()},
-    }), flush=True)
+            times[name].append(_timed(llm, prompts, sps, name))
+    print("RESULT " + json.dumps(_row(variant, init, times)), flush=True)
+
+
+def served_child(variant: str, only: list[str], memory: float) -> None:
+    """Interleaved mode: start the engine, then run one rep of each workload named on
+    stdin (one line each) and answer its time, until stdin closes."""
+    llm, prompts, sps, workloads, init = _engine(variant, only, memory)
+    print("READY " + json.dumps({"init_s": init, "workloads": workloads}), flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            break
+        print("TIME " + json.dumps(_timed(llm, prompts, sps, name)), flush=True)
+
+
+def _env(variant: str) -> dict[str, str]:
+    plugin, v1, *_ = VARIANTS[variant]
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    env["VLLM_NNSIGHT_DISABLE"] = "0" if plugin else "1"
+    if variant in IN_PROCESS:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.update(MALLOC_ENV.get(variant, {}))
+    if v1:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    else:
+        env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    return env
+
+
+def _reply(proc: subprocess.Popen, tag: str) -> Any:
+    """The child's next ``tag`` line (vLLM may print other lines on stdout)."""
+    for line in proc.stdout:
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1:])
+    raise RuntimeError(f"child exited (rc {proc.wait()}) before answering {tag}")
+
+
+def interleaved(variants: list[str], reps: int, workloads: str, memory: float, out_dir: str) -> list[dict]:
+    """Every variant's engine alive at once (started one after another, each in its
+    own process), then ``reps`` rounds in which each runs each of its workloads once.
+    The machines drift (stock's own median moved 30k -> 47k within one run): a round
+    measures every variant within seconds of the others, and ratios are taken per round."""
+    procs = {}
+    for variant in variants:
+        err = open(os.path.join(out_dir, f"{variant}.stderr"), "w")
+        proc = subprocess.Popen([sys.executable, __file__, "--serve-child", variant, "--workloads", workloads,
+                                 "--memory", str(memory)], env=_env(variant), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+        try:
+            ready = _reply(proc, "READY")
+        except RuntimeError as exc:
+            print(f"{variant} FAILED to start: {exc} (see {err.name})", flush=True)
+            continue
+        print(f"{variant} ready in {ready['init_s']:.0f}s", flush=True)
+        procs[variant] = (proc, ready)
+    times = {v: {w: [] for w in ready["workloads"]} for v, (_, ready) in procs.items()}
+    for rnd in range(reps):
+        for variant, (proc, ready) in procs.items():
+            for name in ready["workloads"]:
+                proc.stdin.write(name + "\n")
+                proc.stdin.flush()
+                times[variant][name].append(_reply(proc, "TIME"))
+        stock = times.get("stock_graphs", {}).get("plain")
+        print(f"round {rnd + 1}/{reps}" + (f": stock graphs {N * OLEN / stock[-1]:,.0f} tok/s" if stock else ""),
+              flush=True)
+        _save([_row(v, ready["init_s"], times[v], interleaved=True) for v, (_, ready) in procs.items()],
+              out_dir)  # after every round: a run cut short keeps its complete rounds
+    for proc, _ in procs.values():
+        proc.stdin.close()
+        proc.wait(timeout=120)
+    return [_row(v, ready["init_s"], times[v], interleaved=True) for v, (_, ready) in procs.items()]
+
+
+def _save(rows: list[dict], out_dir: str) -> None:
+    with open(os.path.join(out_dir, "headline.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def main() -> None:
@@ -160,39 +249,40 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--workloads", default="", help="keep only these workloads (comma-separated)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="all engines at once, rounds of one rep each (ratios per round)")
+    parser.add_argument("--memory", type=float, default=0.12, help="gpu_memory_utilization per engine (interleaved)")
     parser.add_argument("--child")
+    parser.add_argument("--serve-child")
     args = parser.parse_args()
+    only = [w for w in args.workloads.split(",") if w]
     if args.child:
-        child(args.child, args.reps, [w for w in args.workloads.split(",") if w])
+        child(args.child, args.reps, only)
+        return
+    if args.serve_child:
+        served_child(args.serve_child, only, args.memory)
         return
     make_config()
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
-    rows = []
-    for variant in args.variants.split(","):
-        plugin, v1, *_ = VARIANTS[variant]
-        env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-        env["VLLM_NNSIGHT_DISABLE"] = "0" if plugin else "1"
-        if variant in IN_PROCESS:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env.update(MALLOC_ENV.get(variant, {}))
-        if v1:
-            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        else:
-            env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-        t = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--child", variant, "--reps", str(args.reps),
-                               "--workloads", args.workloads],
-                              env=env, capture_output=True, text=True, timeout=1200)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(f"{variant} FAILED after {time.time() - t:.0f}s:\n{proc.stderr[-4000:]}", flush=True)
-            continue
-        res = json.loads(lines[-1][7:])
+    variants = args.variants.split(",")
+    if args.interleave:
+        rows = interleaved(variants, args.reps, args.workloads, args.memory, out_dir)
+    else:
+        rows = []
+        for variant in variants:
+            t = time.time()
+            proc = subprocess.run([sys.executable, __file__, "--child", variant, "--reps", str(args.reps),
+                                   "--workloads", args.workloads],
+                                  env=_env(variant), capture_output=True, text=True, timeout=1200)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                print(f"{variant} FAILED after {time.time() - t:.0f}s:\n{proc.stderr[-4000:]}", flush=True)
+                continue
+            rows.append(json.loads(lines[-1][7:]))
+            _save(rows, out_dir)
+    for res in rows:
         print(json.dumps(res), flush=True)
-        rows.append(res)
-        with open(os.path.join(out_dir, "headline.jsonl"), "a") as fh:
-            fh.write(json.dumps(res) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,30 +2,46 @@
 
     python3 benchmarks/gpu/table.py benchmarks/gpu/results/headline-2026-11-30-run3-taps.jsonl
 
-Ratios are to stock-with-graphs of the same file (one remote run; the mean when the
-run measured it more than once, e.g. first and last to bracket drift) and to the
+Ratios are to stock-with-graphs of the same file (one remote run) and to the
 variant's own untraced workload; absolute tok/s differ up to 2x between machines.
+Sequential runs (one variant after another): ratios of medians, to the mean of the
+stock-with-graphs rows when a run measured it more than once (first and last, to
+bracket drift). Interleaved runs (``--interleave``: every engine alive, rounds of one
+rep each): the median over rounds of each round's ratio, which drift within a run
+does not move.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+
+
+def _ratio(reps: list[float], ref: list[float] | None, interleaved: bool, ref_median: float | None) -> str:
+    if interleaved and ref and len(ref) == len(reps):
+        return f"{statistics.median(a / b for a, b in zip(reps, ref)):.3f}"
+    return f"{statistics.median(reps) / ref_median:.3f}" if ref_median else ""
 
 
 def table(path: str) -> str:
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    stocks = [r["tok_s"]["plain"] for r in rows if r["variant"] == "stock_graphs"]
+    interleaved = bool(rows) and all(r.get("interleaved") for r in rows)
+    stock_rows = [r for r in rows if r["variant"] == "stock_graphs"]
+    stocks = [r["tok_s"]["plain"] for r in stock_rows]
     stock = sum(stocks) / len(stocks) if stocks else None
+    stock_reps = stock_rows[0]["reps"]["plain"] if stock_rows else None
     note = f"stock graphs: {', '.join(f'{s:,.0f}' for s in stocks)} tok/s" + (
-        f" (mean {stock:,.0f})" if len(stocks) > 1 else "")
+        f" (mean {stock:,.0f})" if len(stocks) > 1 else "") + (
+        "; interleaved rounds, ratios are medians of per-round ratios" if interleaved else "")
     out = [f"{path}", note, "| variant | workload | out tok/s | ratio to stock graphs | ratio to own untraced |",
            "|---|---|---:|---:|---:|"]
     for r in rows:
-        own = r["tok_s"].get("plain")
+        own = r["reps"].get("plain")
         for workload, tok_s in r["tok_s"].items():
-            to_stock = f"{tok_s / stock:.3f}" if stock else ""
-            to_own = f"{tok_s / own:.3f}" if own else ""
+            reps = r["reps"][workload]
+            to_stock = _ratio(reps, stock_reps, interleaved, stock)
+            to_own = _ratio(reps, own, interleaved, statistics.median(own) if own else None)
             out.append(f"| {r['variant']} | {workload} | {tok_s:,.0f} | {to_stock} | {to_own} |")
     return "\n".join(out)
 
