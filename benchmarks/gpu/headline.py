@@ -92,6 +92,7 @@ VARIANTS = {
     "taps_malloc": (True, False, False, ["plain", "prefill_spec", "every_token_spec"], True),
 }
 IN_PROCESS = {"taps_inproc"}
+ALL_WORKLOADS = CAPTURES + ["steer", "steer_spec"]
 MALLOC_ENV = {"taps_malloc": {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}}
 
 
@@ -112,6 +113,15 @@ def workload_params() -> dict:
             "every_token_spec": params(read_spec("all"))}
 
 
+def make_prompts(seed: int) -> list[dict]:
+    """N prompts of PLEN random token ids. The default workload repeats seed 0's every
+    rep (as the anchor harness does), so untraced reps find their prompts in vLLM's
+    prefix cache while traced reads (salted) compute theirs; ``--fresh-prompts`` gives
+    each round and workload prompts of their own, the same for every variant."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(PLEN)]} for _ in range(N)]
+
+
 def _engine(variant: str, only: list[str], memory: float):
     """The variant's engine, prompts, workload params and workloads (warmed up)."""
     from vllm import LLM
@@ -128,8 +138,7 @@ def _engine(variant: str, only: list[str], memory: float):
     llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=eager,
               dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=memory, seed=0, **extra)
     init = time.time() - t0
-    random.seed(0)
-    prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(PLEN)]} for _ in range(N)]
+    prompts = make_prompts(0)
     sps = workload_params()
     for name in workloads:  # warm-up at full batch size (first full batch compiles kernels)
         llm.generate(prompts, sps[name], use_tqdm=False)
@@ -153,9 +162,10 @@ def _timed(llm, prompts, sps, name: str) -> float:
     return took
 
 
-def _row(variant: str, init: float, times: dict[str, list[float]], interleaved: bool = False) -> dict:
+def _row(variant: str, init: float, times: dict[str, list[float]], interleaved: bool = False,
+         fresh: bool = False) -> dict:
     ntok = N * OLEN
-    return {"variant": variant, "init_s": round(init, 1), "interleaved": interleaved,
+    return {"variant": variant, "init_s": round(init, 1), "interleaved": interleaved, "fresh_prompts": fresh,
             "tok_s": {w: ntok / statistics.median(v) for w, v in times.items()},
             "reps": {w: [round(ntok / x) for x in v] for w, v in times.items()}}
 
@@ -174,11 +184,12 @@ def served_child(variant: str, only: list[str], memory: float) -> None:
     stdin (one line each) and answer its time, until stdin closes."""
     llm, prompts, sps, workloads, init = _engine(variant, only, memory)
     print("READY " + json.dumps({"init_s": init, "workloads": workloads}), flush=True)
-    for line in sys.stdin:
-        name = line.strip()
+    for line in sys.stdin:  # "workload" or "workload seed" (fresh prompts)
+        name, _, seed = line.strip().partition(" ")
         if not name:
             break
-        print("TIME " + json.dumps(_timed(llm, prompts, sps, name)), flush=True)
+        print("TIME " + json.dumps(_timed(llm, make_prompts(int(seed)) if seed else prompts, sps, name)),
+              flush=True)
 
 
 def _env(variant: str) -> dict[str, str]:
@@ -203,21 +214,25 @@ def _reply(proc: subprocess.Popen, tag: str) -> Any:
     raise RuntimeError(f"child exited (rc {proc.wait()}) before answering {tag}")
 
 
-def interleaved(variants: list[str], reps: int, workloads: str, memory: float, out_dir: str) -> list[dict]:
+def interleaved(variants: list[str], reps: int, workloads: str, memory: float, out_dir: str,
+                fresh: bool = False) -> list[dict]:
     """Every variant's engine alive at once (started one after another, each in its
     own process), then ``reps`` rounds in which each runs each of its workloads once.
     The machines drift (stock's own median moved 30k -> 47k within one run): a round
     measures every variant within seconds of the others, and ratios are taken per round."""
     procs = {}
+    logs = os.environ.get("HEADLINE_LOGS", "/tmp/headline-logs")  # (not $OUT: few files come back)
+    os.makedirs(logs, exist_ok=True)
     for variant in variants:
-        err = open(os.path.join(out_dir, f"{variant}.stderr"), "w")
+        err = open(os.path.join(logs, f"{variant}.stderr"), "w")
         proc = subprocess.Popen([sys.executable, __file__, "--serve-child", variant, "--workloads", workloads,
                                  "--memory", str(memory)], env=_env(variant), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
         try:
             ready = _reply(proc, "READY")
         except RuntimeError as exc:
-            print(f"{variant} FAILED to start: {exc} (see {err.name})", flush=True)
+            err.close()
+            print(f"{variant} FAILED to start: {exc}\n{open(err.name).read()[-3000:]}", flush=True)
             continue
         print(f"{variant} ready in {ready['init_s']:.0f}s", flush=True)
         procs[variant] = (proc, ready)
@@ -225,18 +240,20 @@ def interleaved(variants: list[str], reps: int, workloads: str, memory: float, o
     for rnd in range(reps):
         for variant, (proc, ready) in procs.items():
             for name in ready["workloads"]:
-                proc.stdin.write(name + "\n")
+                # the same prompts for a round's workload in every variant
+                seed = f" {1000 * (rnd + 1) + ALL_WORKLOADS.index(name)}" if fresh else ""
+                proc.stdin.write(name + seed + "\n")
                 proc.stdin.flush()
                 times[variant][name].append(_reply(proc, "TIME"))
         stock = times.get("stock_graphs", {}).get("plain")
         print(f"round {rnd + 1}/{reps}" + (f": stock graphs {N * OLEN / stock[-1]:,.0f} tok/s" if stock else ""),
               flush=True)
-        _save([_row(v, ready["init_s"], times[v], interleaved=True) for v, (_, ready) in procs.items()],
+        _save([_row(v, ready["init_s"], times[v], interleaved=True, fresh=fresh) for v, (_, ready) in procs.items()],
               out_dir)  # after every round: a run cut short keeps its complete rounds
     for proc, _ in procs.values():
         proc.stdin.close()
         proc.wait(timeout=120)
-    return [_row(v, ready["init_s"], times[v], interleaved=True) for v, (_, ready) in procs.items()]
+    return [_row(v, ready["init_s"], times[v], interleaved=True, fresh=fresh) for v, (_, ready) in procs.items()]
 
 
 def _save(rows: list[dict], out_dir: str) -> None:
@@ -252,6 +269,8 @@ def main() -> None:
     parser.add_argument("--interleave", action="store_true",
                         help="all engines at once, rounds of one rep each (ratios per round)")
     parser.add_argument("--memory", type=float, default=0.12, help="gpu_memory_utilization per engine (interleaved)")
+    parser.add_argument("--fresh-prompts", action="store_true",
+                        help="interleaved: new prompts per round and workload (no prefix-cache hits)")
     parser.add_argument("--child")
     parser.add_argument("--serve-child")
     args = parser.parse_args()
@@ -267,7 +286,7 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     variants = args.variants.split(",")
     if args.interleave:
-        rows = interleaved(variants, args.reps, args.workloads, args.memory, out_dir)
+        rows = interleaved(variants, args.reps, args.workloads, args.memory, out_dir, args.fresh_prompts)
     else:
         rows = []
         for variant in variants:
