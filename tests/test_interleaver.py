@@ -410,22 +410,30 @@ def test_a_prompt_only_read_is_over_after_its_step_but_an_edit_beside_it_is_not(
     inter.admit("s", {"nnsight": json.dumps({"v": 1, "kind": "spec", "ops": [read, steer]})}, params)
     inter.admit("e", {"nnsight": json.dumps({"v": 1, "kind": "spec", "ops": [steer]})}, params)
     inter.admit("c", {"nnsight": make_payload(read_layer)}, params)
-    assert inter.stepwise == {"p", "s", "c"}  # steering alone never parks
-    for step, tokens in enumerate((2, 1)):
-        spans = {"p": (0, tokens), "s": (tokens, 2 * tokens), "e": (2 * tokens, 3 * tokens)}
-        x = torch.randn(3 * tokens, 4)
+    # an engine-wide steering edit, then a request with its own prompt-only read: two blocks
+    inter.install_edit("steer", None, json.dumps({"v": 1, "kind": "spec", "ops": [steer]}))
+    inter.admit("m", {"nnsight": json.dumps({"v": 1, "kind": "spec", "ops": [read]})}, params)
+    assert inter.stepwise == {"p", "s", "c", "m"}  # steering alone never parks
+    for step, tokens in enumerate((2, 1, 1)):
+        spans = {r: (i * tokens, (i + 1) * tokens) for i, r in enumerate(("p", "s", "e", "m"))}
+        x = torch.randn(4 * tokens, 4)
         with torch.inference_mode():
-            inter.begin_step(StepLayout(spans, {r: i for i, r in enumerate(spans)}, 3 * tokens))
+            inter.begin_step(StepLayout(spans, {r: i for i, r in enumerate(spans)}, 4 * tokens))
             h, _ = model.pair(x)
             res = inter.end_step()
         clean = model.pair.lin(x)
-        # the steered rows (s, e) got the vector at every step; p's rows did not
+        # the steered rows (s, e, m) got the vector at every step; p's rows did not
         assert torch.allclose(h[: tokens], clean[: tokens])
         assert torch.allclose(h[tokens:], clean[tokens:] + 1.0)
         if step == 0:
             assert res["p"]["done"] and torch.allclose(values.decode(res["p"]["saves"]["h"]), clean[:tokens])
             assert "p" not in inter.sessions and "p" not in inter.stepwise  # over: nothing per step
             assert "s" in inter.sessions and "e" in inter.sessions
+            # m's read saw its rows after its edit (edits first)
+            assert torch.allclose(values.decode(res["m"]["saves"]["h"]), clean[3 * tokens:] + 1.0)
+        else:
+            assert not res  # nothing ships while they decode (m's read went at step 0)
+    assert [s.step for s in inter.sessions["m"]] == [3, 1]  # the edit counts steps; the read is over
 
 
 def test_a_row_log_with_no_rows_encodes_as_an_empty_list():

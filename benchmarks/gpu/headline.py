@@ -285,8 +285,10 @@ def main() -> None:
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     variants = args.variants.split(",")
-    if args.interleave:
-        rows = interleaved(variants, args.reps, args.workloads, args.memory, out_dir, args.fresh_prompts)
+    if args.interleave:  # all engines share the GPU: each a share of it, each once
+        variants = list(dict.fromkeys(variants))
+        memory = min(args.memory, 0.9 / len(variants))
+        rows = interleaved(variants, args.reps, args.workloads, memory, out_dir, args.fresh_prompts)
     else:
         rows = []
         for variant in variants:

@@ -285,12 +285,14 @@ class Interleaver:
                 continue
             if req_id not in loud:
                 for session in blocks:
-                    if not session.active or (session.prefill_reads and session.step == 0):
+                    if (session.prefill_reads and session.step == 0) if session.active else not session.final:
                         break
                 else:  # batched specs only, nothing to ship yet (per-step rows ship at the
-                    # end; prompt reads right after the first step, while the request decodes)
+                    # end; prompt reads right after the first step, while the request decodes;
+                    # a spec that is over was recorded when it ended)
                     for session in blocks:
-                        session.step += 1
+                        if session.active:
+                            session.step += 1
                     continue
             for session in blocks:
                 if not session.active:

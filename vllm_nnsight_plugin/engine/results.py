@@ -92,6 +92,8 @@ def _update_from_output(original: Callable) -> Callable:
             if entry is None:
                 continue
             if eco.finish_reason is not None:
+                if halting:
+                    halting.discard(eco.request_id)
                 final = finalize(store.pop(eco.request_id))
                 final["final"] = True
                 compat.stamp(eco, codec.PAYLOAD_KEY, final)
@@ -109,6 +111,8 @@ def _update_from_output(original: Callable) -> Callable:
                     compat.stamp(eco, codec.PAYLOAD_KEY, finalize(entry))
         for req_id in [r for r in store if r not in self.requests]:
             del store[req_id]
+            if halting:
+                halting.discard(req_id)
         return outputs
 
     return update_from_output
