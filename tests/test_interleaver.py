@@ -428,6 +428,9 @@ def test_a_prompt_only_read_is_over_after_its_step_but_an_edit_beside_it_is_not(
         if step == 0:
             assert res["p"]["done"] and torch.allclose(values.decode(res["p"]["saves"]["h"]), clean[:tokens])
             assert "p" not in inter.sessions and "p" not in inter.stepwise  # over: nothing per step
+            inter.preempted("p")  # a recompute now changes nothing p did: no error
+            inter.preempted("m")  # m's steering is batched: it applies again to the recompute
+            assert not inter.results
             assert "s" in inter.sessions and "e" in inter.sessions
             # m's read saw its rows after its edit (edits first)
             assert torch.allclose(values.decode(res["m"]["saves"]["h"]), clean[3 * tokens:] + 1.0)

@@ -68,6 +68,9 @@ class Interleaver:
         # requests that may park between steps (a block, or a batched read): only these
         # need the runner's finish prediction each step; steering alone never does
         self.stepwise: set[str] = set()
+        # requests whose blocks are all over having only read the prompt (no edit): a
+        # recompute of their forward changes nothing they did
+        self.read_only_done: set[str] = set()
         self._parents: dict[int, torch.nn.Module] | None = None
         self._ranks: dict[str, int] | None = None
 
@@ -202,6 +205,7 @@ class Interleaver:
             self.traced.discard(req_id)
             self.coded.discard(req_id)
             self.stepwise.discard(req_id)
+            self.read_only_done.discard(req_id)
             self.params.pop(req_id, None)
             self.report_every_step.discard(req_id)
             self._reported.pop(req_id, None)
@@ -218,12 +222,17 @@ class Interleaver:
 
     def stateless(self, req_id: str) -> bool:
         """Only batched edits: a recompute or a split prompt gets them again, row by row.
-        (Not batched reads: their rows would come in pieces, or twice.)"""
+        (Not batched reads: their rows would come in pieces, or twice; unless the read
+        is over, its prompt rows shipped.)"""
         blocks = self.sessions.get(req_id)
-        return bool(blocks) and all(s.batched and s.active and not s.batched_reads for s in blocks)
+        return bool(blocks) and all((s.batched and s.active and not s.batched_reads)
+                                    or (s.prompt_only and s.done and s.error is None)  # read, shipped
+                                    for s in blocks)
 
     def preempted(self, req_id: str) -> None:
         """vLLM preempted the request and will recompute its forward."""
+        if req_id in self.read_only_done:  # its prompt rows have shipped; nothing was edited
+            return
         if not self.stateless(req_id):
             self.fail_request(
                 req_id,
@@ -318,6 +327,8 @@ class Interleaver:
                 del self.sessions[req_id]
                 self.coded.discard(req_id)
                 self.stepwise.discard(req_id)
+                if all(s.prompt_only and s.error is None for s in blocks):
+                    self.read_only_done.add(req_id)
         self.layout = None
         if not self.sessions:  # nothing live can hold a served view: start the storage set afresh
             self._served = set()
