@@ -61,6 +61,18 @@ def test_in_place_edit_at_a_tap_lands_downstream(tapped, hf_llama):
     assert_close(logits[0], ref[-1])
 
 
+def test_assigning_a_tapped_output_replaces_it(tapped, hf_llama):
+    """``.output = value`` at a tap copies the value into vLLM's buffer, which the next
+    graph piece reads."""
+    with tapped.trace(PROMPT, temperature=0.0) as tracer:
+        out = tapped.model.layers[1].mlp.output
+        tapped.model.layers[1].mlp.output = out * 0.5
+        logits = tapped.logits.save()
+    ids = tracer.outputs[0].prompt_token_ids
+    ref = HFRun(hf_llama, ids).edit(hf_llama.model.layers[1].mlp, lambda h: h * 0.5).logits()
+    assert_close(logits[0], ref[-1])
+
+
 def test_every_generated_token_at_a_tap(tapped, hf_llama):
     """Decode steps (full CUDA graphs on a GPU) run the tap op while a block waits."""
     with tapped.trace("Hello world", temperature=0.0, max_tokens=5, ignore_eos=True) as tracer:

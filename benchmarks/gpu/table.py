@@ -4,11 +4,12 @@
 
 Ratios are to stock-with-graphs of the same file (one remote run) and to the
 variant's own untraced workload; absolute tok/s differ up to 2x between machines.
-Sequential runs (one variant after another): ratios of medians, to the mean of the
-stock-with-graphs rows when a run measured it more than once (first and last, to
-bracket drift). Interleaved runs (``--interleave``: every engine alive, rounds of one
-rep each): the median over rounds of each round's ratio, which drift within a run
-does not move.
+Sequential runs (one variant after another): to stock, ratios of medians, to the mean
+of the stock-with-graphs rows when a run measured it more than once (first and last, to
+bracket drift; drift between processes moves these); to the variant's own untraced
+workload, the median of per-rep ratios (a variant's workloads alternate within each
+rep, so drift moves both alike). Interleaved runs (``--interleave``: every engine
+alive, rounds of one rep each): the median over rounds of each round's ratio, for both.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import statistics
 import sys
 
 
-def _ratio(reps: list[float], ref: list[float] | None, interleaved: bool, ref_median: float | None) -> str:
-    if interleaved and ref and len(ref) == len(reps):
+def _ratio(reps: list[float], ref: list[float] | None, per_rep: bool, ref_median: float | None) -> str:
+    if per_rep and ref and len(ref) == len(reps):
         return f"{statistics.median(a / b for a, b in zip(reps, ref)):.3f}"
     return f"{statistics.median(reps) / ref_median:.3f}" if ref_median else ""
 
@@ -33,7 +34,8 @@ def table(path: str) -> str:
     stock_reps = stock_rows[0]["reps"]["plain"] if stock_rows else None
     note = f"stock graphs: {', '.join(f'{s:,.0f}' for s in stocks)} tok/s" + (
         f" (mean {stock:,.0f})" if len(stocks) > 1 else "") + (
-        "; interleaved rounds, ratios are medians of per-round ratios" if interleaved else "")
+        "; interleaved rounds, ratios are medians of per-round ratios" if interleaved
+        else "; to stock: ratios of medians; to own untraced: medians of per-rep ratios")
     out = [f"{path}", note, "| variant | workload | out tok/s | ratio to stock graphs | ratio to own untraced |",
            "|---|---|---:|---:|---:|"]
     for r in rows:
@@ -41,7 +43,7 @@ def table(path: str) -> str:
         for workload, tok_s in r["tok_s"].items():
             reps = r["reps"][workload]
             to_stock = _ratio(reps, stock_reps, interleaved, stock)
-            to_own = _ratio(reps, own, interleaved, statistics.median(own) if own else None)
+            to_own = _ratio(reps, own, True, statistics.median(own) if own else None)
             out.append(f"| {r['variant']} | {workload} | {tok_s:,.0f} | {to_stock} | {to_own} |")
     return "\n".join(out)
 
