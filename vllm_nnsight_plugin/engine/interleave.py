@@ -396,14 +396,18 @@ class Interleaver:
                 changed += session.changed
                 fresh = True
             session.final = not session.active
-        error = next((s.error for s in blocks if s.error is not None), None)
-        done = all(s.done for s in blocks)
-        stop = any(s.stopped for s in blocks)
-        warnings = [w for s in blocks for w in s.warnings]
-        state = (error is not None, done, stop, len(warnings))
+        error, done, stop, nwarn = None, True, False, 0  # (one pass: this runs per request per step)
+        for session in blocks:
+            if error is None:
+                error = session.error
+            done = done and session.done
+            stop = stop or session.stopped
+            nwarn += len(session.warnings)
+        state = (error is not None, done, stop, nwarn)
         if not fresh and req_id not in self.report_every_step and self._reported.get(req_id) == state \
                 and req_id not in self.results:
             return  # nothing new for the scheduler this step
+        warnings = [w for s in blocks for w in s.warnings]
         self._reported[req_id] = state
         entry = self.results.setdefault(req_id, {})
         if fresh:

@@ -47,10 +47,10 @@ class Wait:
     path: str = ""
     module: Any = None
     value: Any = _NOTHING  # an assignment waiting to be applied
+    key: tuple = field(init=False)  # where it waits: the interleaver's waiter key (read per serve)
 
-    @property
-    def key(self) -> tuple:
-        return (id(self.module), self.kind) if self.module is not None else (self.kind,)
+    def __post_init__(self) -> None:
+        self.key = (id(self.module), self.kind) if self.module is not None else (self.kind,)
 
     def describe(self) -> str:
         if self.kind == "step":

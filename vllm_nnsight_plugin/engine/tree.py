@@ -21,6 +21,8 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """The same structure with ``fn`` applied to every tensor."""
     if isinstance(value, torch.Tensor):
         return fn(value)
+    if type(value) is tuple:  # a decoder layer's (hidden, residual): no call per tensor
+        return tuple(fn(v) if type(v) is torch.Tensor else map_tensors(v, fn) for v in value)
     if isinstance(value, dict):
         return {k: map_tensors(v, fn) for k, v in value.items()}
     if isinstance(value, list):  # (a saved list of per-step rows: no call per row)
