@@ -17,7 +17,9 @@ from .session import _NOTHING, END, StopBlock, Wait
 if TYPE_CHECKING:
     from .interleave import Interleaver
 
-_OWN = ("_module", "_path", "_inter", "_children")
+# __dict__: submodule envoys are kept as attributes, so the path a block walks every
+# step (``model.model.layers[8]``) is plain attribute reads after its first walk
+_OWN = ("_module", "_path", "_inter", "_children", "_keys", "__dict__")
 
 
 class WorkerEnvoy:
@@ -30,6 +32,7 @@ class WorkerEnvoy:
         object.__setattr__(self, "_path", path)
         object.__setattr__(self, "_inter", inter)
         object.__setattr__(self, "_children", {})
+        object.__setattr__(self, "_keys", None)
 
     # ------------------------------------------------------------ tree
     def _child(self, name: str) -> WorkerEnvoy:
@@ -42,9 +45,13 @@ class WorkerEnvoy:
         return child
 
     def __getattr__(self, name: str) -> Any:
+        """Only for names the class does not define: a submodule (then kept as an attribute,
+        which can shadow nothing) or the module's own attribute."""
         module = self._module
         if name in module._modules:
-            return self._child(name)
+            child = self._child(name)
+            object.__setattr__(self, name, child)
+            return child
         try:
             return getattr(module, name)
         except AttributeError:
@@ -56,7 +63,10 @@ class WorkerEnvoy:
             ) from None
 
     def __getitem__(self, index: int | str) -> WorkerEnvoy:
-        keys = list(self._module._modules)
+        keys = self._keys
+        if keys is None:  # (a loaded model's tree does not change)
+            keys = list(self._module._modules)
+            object.__setattr__(self, "_keys", keys)
         if isinstance(index, int):
             try:
                 key = keys[index]
