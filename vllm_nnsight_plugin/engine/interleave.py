@@ -225,8 +225,7 @@ class Interleaver:
         (Not batched reads: their rows would come in pieces, or twice; unless the read
         is over, its prompt rows shipped.)"""
         blocks = self.sessions.get(req_id)
-        return bool(blocks) and all((s.batched and s.active and not s.batched_reads)
-                                    or (s.prompt_only and s.done and s.error is None)  # read, shipped
+        return bool(blocks) and all((s.batched and s.active and not s.batched_reads) or s.read_and_shipped
                                     for s in blocks)
 
     def preempted(self, req_id: str) -> None:
@@ -327,7 +326,7 @@ class Interleaver:
                 del self.sessions[req_id]
                 self.coded.discard(req_id)
                 self.stepwise.discard(req_id)
-                if all(s.prompt_only and s.error is None for s in blocks):
+                if all(s.read_and_shipped for s in blocks):
                     self.read_only_done.add(req_id)
         self.layout = None
         if not self.sessions:  # nothing live can hold a served view: start the storage set afresh
@@ -369,7 +368,7 @@ class Interleaver:
 
     def between_steps(self, req_id: str) -> bool:
         """A block parked until a later step (``tracer.iter``/``tracer.all()``)."""
-        return req_id in self.stepwise and any(s.active and (s.batched_reads or not s.batched) and s.wait is not None
+        return any(s.active and (s.batched_reads or not s.batched) and s.wait is not None
                    and s.wait.kind == "step" for s in self.sessions.get(req_id, ()))
 
     def _record(self, req_id: str) -> None:

@@ -35,7 +35,7 @@ def _store(scheduler: Any) -> dict[str, dict[str, Any]]:
 
 
 def merge(store: dict[str, dict[str, Any]], step_results: dict[str, dict[str, Any]],
-          halting: set[str] | None = None) -> None:
+          halting: set[str]) -> None:
     """Fold a step's results into the store; ids whose block failed or stopped join
     ``halting``."""
     for req_id, update in step_results.items():
@@ -51,7 +51,7 @@ def merge(store: dict[str, dict[str, Any]], step_results: dict[str, dict[str, An
                 entry[key] = update[key]
         if update.get("warnings"):
             entry["warnings"] = update["warnings"]
-        if halting is not None and (entry.get("error") or entry.get("stop")):
+        if entry.get("error") or entry.get("stop"):
             halting.add(req_id)
 
 

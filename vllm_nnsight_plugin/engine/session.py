@@ -155,6 +155,12 @@ class RequestSession:
     def active(self) -> bool:
         return not self.done and self.error is None
 
+    @property
+    def read_and_shipped(self) -> bool:
+        """A prompt-only spec that is over without error: it edited nothing and its rows
+        have shipped, so a recompute of the request's forward changes nothing it did."""
+        return self.prompt_only and self.done and self.error is None
+
     def fail(self, exc: BaseException | str, lineno: int | None = None) -> None:
         if self.error is not None:
             return
