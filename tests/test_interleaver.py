@@ -446,3 +446,50 @@ def test_a_row_log_with_no_rows_encodes_as_an_empty_list():
 
     assert values.decode(values.encode(RowLog(), binary=True)) == []
     assert values.decode(values.encode(RowLog())) == []
+
+
+def test_a_steady_batch_of_steering_specs_skips_the_walk_but_not_a_change(configs, monkeypatch):
+    """Decode steps of the same requests, all steering through batched specs, only
+    advance each spec's step count: end_step does not walk the batch. The edits keep
+    applying, and anything that changes the batch's state (a request failing, one
+    admitted or finished) takes the full walk again, so an error still ships in its step."""
+    import json
+
+    from vllm import SamplingParams
+
+    torch.manual_seed(0)
+    model = _Net()
+    inter = Interleaver(model, configs[True])
+    steer = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "add", "module": "pair", "index": 0, "value": [1.0] * 4, "steps": "all"}]})
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for req_id in ("a", "b"):
+        inter.admit(req_id, {"nnsight": steer}, params)
+    walks = []
+    walk = inter._walk_step
+    monkeypatch.setattr(inter, "_walk_step", lambda *a: (walks.append(step), walk(*a)))
+    spans = {"a": (0, 1), "u": (1, 2), "b": (2, 3)}  # one dict, as V2's steady layout reuses
+    rows = {r: i for i, r in enumerate(spans)}
+    shipped = []
+    for step in range(8):
+        if step == 4:
+            inter.fail_request("a", "stopped by the test")  # (as a preemption of a stateful block)
+        if step == 6:
+            inter.admit("c", {"nnsight": steer}, params)  # admitted, not yet scheduled
+        x = torch.randn(3, 4)
+        with torch.inference_mode():
+            inter.begin_step(StepLayout(spans, rows, 3))
+            h, _ = model.pair(x)
+            shipped.append(inter.end_step())
+        clean = model.pair.lin(x)
+        assert torch.equal(h[1], clean[1])  # the untraced row, bit for bit
+        assert torch.allclose(h[2], clean[2] + 1.0)  # b is steered at every step
+        assert torch.allclose(h[0], clean[0] + (1.0 if step < 4 else 0.0))  # a until it failed
+    # step 0 walks (and notes the quiet batch), 1-3 do not; 4 walks (a failed) and 5 notes
+    # the new batch; 6 walks (c was admitted); 7 does not
+    assert walks == [0, 4, 5, 6]
+    assert shipped[4]["a"]["error"]["message"].endswith("stopped by the test")
+    assert not any(shipped[i] for i in (0, 1, 2, 3, 5, 6, 7))
+    assert inter.sessions["b"][0].step == 8
+    assert inter.sessions["a"][0].step == 4  # (kept, failed, until vLLM ends the request)
+    assert inter.sessions["c"][0].step == 0  # never scheduled: not advanced

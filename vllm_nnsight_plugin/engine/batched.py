@@ -189,7 +189,7 @@ class BatchedEdits:
             return
         memo = self._fill_memo
         if memo is not None and memo[0] == self._version and memo[1] == layout.num_tokens \
-                and memo[2] == layout.spans:
+                and (memo[2] is layout.spans or memo[2] == layout.spans):
             for key, (parts, code, reads, tables, read_parts) in memo[3].items():
                 for part, table in tables:
                     parts[part].set_table(table)
@@ -234,7 +234,8 @@ class BatchedEdits:
         spans = layout.spans
         steady = steady and not any(e.session.step == 0 and e.session.req_id in spans
                                     for entries in self.at.values() for e in entries)
-        self._fill_memo = (self._version, layout.num_tokens, dict(layout.spans), filled) if steady else None
+        # (a layout's spans are never changed once published: keep the dict itself)
+        self._fill_memo = (self._version, layout.num_tokens, layout.spans, filled) if steady else None
 
     def finish_lanes(self, layout: Any) -> None:
         """After the forward: lane reads to the host (as :meth:`_read`), lanes reset."""
@@ -247,7 +248,7 @@ class BatchedEdits:
                     if entry.session.active and entry.session.req_id in layout.spans:
                         entry.session.fail(f"{_where(entry)}: the tap's batched kernels failed this step "
                                            "(see the server log)")
-            else:
+            elif reads:
                 value = taps.rebuild(code, [lane.read[: layout.num_tokens] for lane in parts])
                 for _, entry, spans, sessions in reads:
                     try:

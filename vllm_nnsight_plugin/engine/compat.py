@@ -300,6 +300,16 @@ def v2_batch(runner: Any, batch: Any) -> list[tuple[str, int, int, int, int, int
                     batch.prefill_len_np[:n].tolist(), prompt))
 
 
+def v2_decode_ids(batch: Any) -> list[str] | None:
+    """The request ids of a V2 ``InputBatch`` in which every row decodes one token (no
+    prompt rows, no draft tokens), else None. Such a step has the layout of the last
+    one when the ids are the same, in the same order."""
+    n = batch.num_reqs
+    if batch.num_tokens != n or not (batch.num_computed_tokens_np[:n] >= batch.prefill_len_np[:n]).all():
+        return None
+    return batch.req_ids[:n]
+
+
 def v2_padded_tokens(batch: Any) -> int:
     return int(batch.num_tokens_after_padding)
 

@@ -20,6 +20,9 @@ from .rows import StepLayout
 from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
 
 _BATCH = "_nnsight_input_batch"  # this step's (InputBatch, v2_batch table), until sample_tokens
+# the last decode-only step's (request ids, spans, rows): a step with the same ids reuses them
+# (spans and rows are never changed once published), so a steady batch is not walked
+_STEADY = "_nnsight_steady_layout"
 _graph_mode: str | None = None  # "piecewise"/"eager" per step (execute_model), read by the dispatch wrap
 
 
@@ -48,14 +51,20 @@ def _prepare_inputs(original: Callable) -> Callable:
         inter = self.__dict__.get(_ATTR)
         if self.__dict__.get(_SO) is None or inter is None or not inter.working():
             return batch
-        spans: dict[str, tuple[int, int]] = {}
-        rows: dict[str, int] = {}
-        table = compat.v2_batch(self, batch)
-        sessions = inter.sessions
-        for row, (req_id, start, end, computed, prefill_len, _) in enumerate(table):
-            spans[req_id], rows[req_id] = (start, end), row
-            if computed < prefill_len and req_id in sessions and (computed > 0 or end < start + prefill_len):
-                inter.prompt_split(req_id, prefill_len, computed, end - start)
+        ids = compat.v2_decode_ids(batch)
+        last = self.__dict__.get(_STEADY)
+        if ids is not None and last is not None and last[0] == ids:
+            spans, rows = last[1], last[2]  # a steady decode batch: the last step's layout
+            table = compat.v2_batch(self, batch) if inter.stepwise else None
+        else:
+            spans, rows = {}, {}
+            table = compat.v2_batch(self, batch)
+            sessions = inter.sessions
+            for row, (req_id, start, end, computed, prefill_len, _) in enumerate(table):
+                spans[req_id], rows[req_id] = (start, end), row
+                if computed < prefill_len and req_id in sessions and (computed > 0 or end < start + prefill_len):
+                    inter.prompt_split(req_id, prefill_len, computed, end - start)
+            self.__dict__[_STEADY] = (ids, spans, rows) if ids is not None else None
         self.__dict__[_BATCH] = (batch, table)
         inter.begin_step(StepLayout(spans, rows, compat.v2_padded_tokens(batch)))
         return batch
@@ -78,7 +87,7 @@ def _sample_tokens(original: Callable) -> Callable:
 
         finishing = set()
         stepwise = inter.stepwise  # (requests that only steer never park between steps)
-        for req_id, start, end, computed, prefill_len, prompt_len in kept[1] if stepwise else ():
+        for req_id, start, end, computed, prefill_len, prompt_len in kept[1] if stepwise and kept[1] else ():
             if req_id in stepwise and req_id in params and inter.between_steps(req_id) and compat.v2_will_finish(
                 self, params[req_id], computed + end - start, prefill_len, prompt_len,
                 lambda r=req_id: layout.sampled_token(r),
