@@ -10,11 +10,17 @@ bracket drift; drift between processes moves these); to the variant's own untrac
 workload, the median of per-rep ratios (a variant's workloads alternate within each
 rep, so drift moves both alike). Interleaved runs (``--interleave``: every engine
 alive, rounds of one rep each): the median over rounds of each round's ratio, for both.
+
+    python3 benchmarks/gpu/table.py --pool run-a.jsonl run-b.jsonl ...
+
+pools the per-round ratios to stock of several interleaved runs of the same code (single
+rounds on the lent machines range +-0.3), with a bootstrap 95% interval of the median.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import sys
 
@@ -48,7 +54,31 @@ def table(path: str) -> str:
     return "\n".join(out)
 
 
+def pooled(paths: list[str]) -> str:
+    """Per-round ratios to stock with graphs, pooled over interleaved runs."""
+    pools: dict[tuple[str, str], list[float]] = {}
+    for path in paths:
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        stock = next(r["reps"]["plain"] for r in rows if r["variant"] == "stock_graphs")
+        for r in rows:
+            if not r.get("interleaved"):
+                raise SystemExit(f"{path}: --pool takes interleaved runs only")
+            for workload, reps in r["reps"].items():
+                pools.setdefault((r["variant"], workload), []).extend(a / b for a, b in zip(reps, stock))
+    rng = random.Random(0)
+    out = [f"pooled per-round ratios to stock graphs over {len(paths)} runs",
+           "| variant | workload | rounds | median ratio | 95% interval (bootstrap) |", "|---|---|---:|---:|---|"]
+    for (variant, workload), ratios in pools.items():
+        boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(4000))
+        out.append(f"| {variant} | {workload} | {len(ratios)} | {statistics.median(ratios):.3f} | "
+                   f"{boot[100]:.3f}-{boot[3899]:.3f} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        print(table(arg))
-        print()
+    if sys.argv[1:2] == ["--pool"]:
+        print(pooled(sys.argv[2:]))
+    else:
+        for arg in sys.argv[1:]:
+            print(table(arg))
+            print()
