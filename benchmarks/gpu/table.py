@@ -31,8 +31,14 @@ def _ratio(reps: list[float], ref: list[float] | None, per_rep: bool, ref_median
     return f"{statistics.median(reps) / ref_median:.3f}" if ref_median else ""
 
 
+def _load(path: str) -> list[dict]:
+    """A run's rows (one JSON object per variant)."""
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
 def table(path: str) -> str:
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = _load(path)
     interleaved = bool(rows) and all(r.get("interleaved") for r in rows)
     stock_rows = [r for r in rows if r["variant"] == "stock_graphs"]
     stocks = [r["tok_s"]["plain"] for r in stock_rows]
@@ -58,7 +64,7 @@ def pooled(paths: list[str]) -> str:
     """Per-round ratios to stock with graphs, pooled over interleaved runs."""
     pools: dict[tuple[str, str], list[float]] = {}
     for path in paths:
-        rows = [json.loads(line) for line in open(path) if line.strip()]
+        rows = _load(path)
         stock = next(r["reps"]["plain"] for r in rows if r["variant"] == "stock_graphs")
         for r in rows:
             if not r.get("interleaved"):
