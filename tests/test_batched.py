@@ -22,9 +22,10 @@ def _spec(vec: torch.Tensor, layer: int = 1, op: str = "add") -> str:
     return json.dumps({"v": 1, "kind": "spec", "ops": [body]})
 
 
-def _params(payload: str | None = None) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True,
-                          extra_args={"nnsight": payload} if payload else None)
+def _params(payload: str | None = None, code: bool = False) -> SamplingParams:
+    """``code``: run a code block as code, not as the batched spec it is (engine/lower.py)."""
+    extra = {"nnsight": payload, **({"nnsight_lower": False} if code else {})} if payload else None
+    return SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True, extra_args=extra)
 
 
 def _seen(outputs) -> list:
@@ -62,9 +63,10 @@ def test_batched_steering_equals_the_same_steering_as_a_block(llama):
     def run() -> tuple:
         as_spec = llm.generate(PROMPTS, [_params(spec_a), _params(spec_b), _params(spec_a), _params(),
                                          _params(spec_a)], use_tqdm=False)
-        as_block = llm.generate(PROMPTS, [_params(make_payload(_block_a)), _params(make_payload(_block_b)),
-                                          _params(make_payload(_block_a)), _params(),
-                                          _params(make_payload(_block_a))], use_tqdm=False)
+        block_a, block_b = make_payload(_block_a), make_payload(_block_b)
+        as_block = llm.generate(PROMPTS, [_params(block_a, code=True), _params(block_b, code=True),
+                                          _params(block_a, code=True), _params(),
+                                          _params(block_a, code=True)], use_tqdm=False)
         return as_spec, as_block
 
     # the neighbour's baseline: the same traced traffic steering by zero, so its requests

@@ -68,3 +68,31 @@ def test_chunked_prefill_gives_a_clear_per_request_error(gpt2):
                                         use_tqdm=False)[0]
     with pytest.raises(InterventionError, match="chunked prefill"):
         results(out)
+
+
+def test_a_tensor_valued_layer_is_indexed_as_the_block_indexes_it(gpt2):
+    """vLLM's GPT-2 block returns one tensor: ``output[0]`` is its first row, so the
+    block stays code (engine/lower.py) and means what it says."""
+    with gpt2.trace("Hello world, this is", temperature=0.0):
+        first = gpt2.transformer.h[0].output[0].save()
+        whole = gpt2.transformer.h[0].output.save()
+    assert first.dim() == 1 and torch.equal(first, whole[0])
+
+
+def test_a_lowered_steering_block_applies_to_every_chunk_of_a_split_prompt(gpt2, hf_gpt2):
+    """Run as the batched spec it is, a steering block is a fixed function of each
+    row: chunked prefill applies it to every chunk (as code it must fail instead)."""
+    long = " ".join(["One two three four five six seven eight nine ten."] * 12)
+    v = torch.linspace(-1, 1, 128)
+    with gpt2.trace(long, temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+        for _ in tracer.all():
+            gpt2.transformer.h[1].output[:] += v
+    out = tracer.outputs[0]
+    ids = list(out.prompt_token_ids)
+    assert len(ids) > 64  # split: the engine's token budget is 64
+    ref = HFRun(hf_gpt2, ids).edit(hf_gpt2.transformer.h[1], lambda h: h + v).logits()[-1]
+    assert out.outputs[0].token_ids[0] == int(ref.argmax())
+    with pytest.raises(InterventionError, match="chunked prefill"):
+        with gpt2.trace(long, temperature=0.0, max_tokens=2, extra_args={"nnsight_lower": False}) as tracer:
+            for _ in tracer.all():
+                gpt2.transformer.h[1].output[:] += v

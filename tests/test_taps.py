@@ -171,7 +171,8 @@ def test_batched_spec_steering_at_a_tap_equals_the_block(tapped):
     # every step's steering ran in the tap op's lane kernels (which a full CUDA graph
     # replays), none through Python
     assert after["lane"] >= before["lane"] + 5 and after["python"] == before["python"]
-    as_block = llm.generate(prompts, [_params(make_payload(_block_a)), _params(), _params(make_payload(_block_a))],
+    block = make_payload(_block_a)
+    as_block = llm.generate(prompts, [_params(block, code=True), _params(), _params(block, code=True)],
                             use_tqdm=False)
     # exact tokens; logprobs to 1e-5: on the H200 (compiled, V2) they differed in the last
     # bit (5e-7) between the two runs; on CPU they are bit-identical (test_batched.py)
@@ -180,6 +181,41 @@ def test_batched_spec_steering_at_a_tap_equals_the_block(tapped):
         for step_s, step_b in zip(lps_s, lps_b):
             assert step_s.keys() == step_b.keys()
             assert all(abs(step_s[t] - step_b[t]) <= 1e-5 for t in step_s)
+
+
+def _read_stream(model, tracer):
+    rows = []
+    for _ in tracer.all():
+        out = model.model.layers[2].output
+        rows.append(out[0] + out[1])
+    stream = rows.save()  # noqa: F841
+
+
+def test_nnsight_style_blocks_run_in_the_lanes(tapped):
+    """Steering and an every-step read written as nnsight blocks run as the batched
+    spec they are (engine/lower.py): in the tap op's lanes, none through Python, with
+    what the spec and the block run as code give."""
+    from test_batched import VEC_A, _block_a, _params, _seen, _spec
+
+    llm = tapped.vllm_entrypoint
+    prompts = ["The capital of Japan is", "Hello world!", "One two three four"]
+    steer, read = make_payload(_block_a), make_payload(_read_stream)
+    before = _lane_stats(llm)
+    lowered = llm.generate(prompts, [_params(steer), _params(), _params(read)], use_tqdm=False)
+    after = _lane_stats(llm)
+    assert after["lowered"] == before["lowered"] + 2
+    assert after["lane"] >= before["lane"] + 5 and after["python"] == before["python"]
+    as_spec = llm.generate(prompts[:1], [_params(_spec(VEC_A))], use_tqdm=False)
+    as_code = llm.generate(prompts, [_params(steer, code=True), _params(), _params(read, code=True)],
+                           use_tqdm=False)
+    for other in (as_spec, as_code):  # (logprobs to 1e-5 across runs: see the test above)
+        (tok_l, lps_l), (tok_o, lps_o) = _seen(lowered)[0], _seen(other)[0]
+        assert tok_l == tok_o
+        assert all(abs(a[t] - b[t]) <= 1e-5 for a, b in zip(lps_l, lps_o) for t in a)
+    stream, code_stream = results(lowered[2])["stream"], results(as_code[2])["stream"]
+    assert len(stream) == len(code_stream) == 5
+    for a, b in zip(stream, code_stream):
+        assert_close(a, b, 1e-5)
 
 
 def _lane_stats(llm) -> dict:

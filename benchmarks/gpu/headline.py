@@ -71,16 +71,20 @@ def read_spec(steps: str) -> str:
     output[1], as the code blocks save it. (Runs up to 12 read both halves: twice the bytes.)"""
     return json.dumps({"v": 1, "kind": "spec", "ops": [
         {"op": "read", "name": "stream", "module": "model.layers.8", "sum": True, "steps": steps}]})
+# "prefill"/"every_token"/"steer" are nnsight-style code blocks: the engine runs them as
+# the batched spec they are (engine/lower.py); "*_code" sends the same blocks with
+# extra_args nnsight_lower=False, so they run as code (one greenlet per request)
+CODE = ["prefill_code", "every_token_code", "steer_code"]
 CAPTURES = ["plain", "prefill", "every_token", "prefill_spec", "every_token_spec"]
 VARIANTS = {
     # name: (plugin on, V1 runner, enforce_eager, workloads, taps)
     "stock_graphs": (False, False, False, ["plain"], False),
     "stock_eager": (False, False, True, ["plain"], False),
     "idle_graphs": (True, False, False, ["plain"], False),
-    "taps": (True, False, False, CAPTURES + ["steer", "steer_spec"], True),  # compiled + CUDA graphs (V2)
-    "v2_eager": (True, False, True, CAPTURES, False),
+    "taps": (True, False, False, CAPTURES + ["steer", "steer_spec"] + CODE, True),  # compiled + CUDA graphs (V2)
+    "v2_eager": (True, False, True, CAPTURES + CODE[:2], False),
     "stock_v1_eager": (False, True, True, ["plain"], False),
-    "v1_eager": (True, True, True, CAPTURES, False),
+    "v1_eager": (True, True, True, CAPTURES + CODE[:2], False),
     "taps_v1": (True, True, False, CAPTURES + ["steer", "steer_spec"], True),
     # taps without lanes (batched specs then run piecewise): A/B for the lanes' cost and gain
     "taps_nolanes": (True, False, False, ["plain", "every_token_spec", "steer_spec"], True),
@@ -92,7 +96,7 @@ VARIANTS = {
     "taps_malloc": (True, False, False, ["plain", "prefill_spec", "every_token_spec"], True),
 }
 IN_PROCESS = {"taps_inproc"}
-ALL_WORKLOADS = CAPTURES + ["steer", "steer_spec"]
+ALL_WORKLOADS = CAPTURES + ["steer", "steer_spec"] + CODE
 MALLOC_ENV = {"taps_malloc": {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}}
 
 
@@ -103,12 +107,16 @@ def workload_params() -> dict:
 
     from vllm_nnsight_plugin import make_payload
 
-    def params(payload: str | None = None):
+    def params(payload: str | None = None, lower: bool = True):
+        extra = {"nnsight": payload} if payload else None
+        if extra and not lower:
+            extra["nnsight_lower"] = False
         return SamplingParams(max_tokens=OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
-                              detokenize=False, extra_args={"nnsight": payload} if payload else None)
+                              detokenize=False, extra_args=extra)
 
-    return {"plain": params(), "prefill": params(make_payload(prefill_capture)),
-            "every_token": params(make_payload(every_token_capture)), "steer": params(make_payload(steer)),
+    blocks = {"prefill": prefill_capture, "every_token": every_token_capture, "steer": steer}
+    return {"plain": params(), **{name: params(make_payload(fn)) for name, fn in blocks.items()},
+            **{f"{name}_code": params(make_payload(fn), lower=False) for name, fn in blocks.items()},
             "steer_spec": params(STEER_SPEC), "prefill_spec": params(read_spec("prefill")),
             "every_token_spec": params(read_spec("all"))}
 
@@ -156,9 +164,9 @@ def _timed(llm, prompts, sps, name: str) -> float:
         assert results(outs[0])["stream"].shape[0] == PLEN
     if name == "every_token_spec":
         assert len(results(outs[0])["stream"]) == OLEN
-    if name in ("prefill", "every_token"):
+    if name in ("prefill", "every_token", "prefill_code", "every_token_code"):
         stream = results(outs[0])["stream"]
-        assert (stream.shape[0] == PLEN) if name == "prefill" else (len(stream) == OLEN)
+        assert (stream.shape[0] == PLEN) if name.startswith("prefill") else (len(stream) == OLEN)
     return took
 
 

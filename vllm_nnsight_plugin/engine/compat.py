@@ -153,6 +153,11 @@ def runs_eager(vllm_config: Any) -> bool:
     return mode_none and graphs_none
 
 
+def model_dtype(vllm_config: Any) -> Any:
+    """The dtype of the model's activations (``model_config.dtype``)."""
+    return getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+
+
 def compiles_piecewise(vllm_config: Any) -> bool:
     """Whether vLLM compiles the model split at ``splitting_ops`` (VLLM_COMPILE)."""
     comp = vllm_config.compilation_config
@@ -364,6 +369,7 @@ def stop_request(request: Any, reason: str) -> None:
 
 STREAM_KEY = "nnsight_stream"  # extra_args flag: deliver saves with every step's output
 EDITS_KEY = "nnsight_edits"  # extra_args: names of the installed edits a request selects
+LOWER_KEY = "nnsight_lower"  # extra_args: False runs the request's blocks as code (engine/lower.py)
 
 
 def streams_saves(request: Any) -> bool:

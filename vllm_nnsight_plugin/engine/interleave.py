@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..payload import codec
-from . import batched, compat, host, lanes, taps
+from . import batched, compat, host, lanes, lower, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
@@ -45,6 +45,8 @@ class Interleaver:
         self.root = WorkerEnvoy(model, "", self)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
+        self.dtype = compat.model_dtype(vllm_config)
+        self._lowered: dict[tuple, lower.Lowered | None] = {}  # payload text -> its spec (lower.py)
         self.batched = batched.BatchedEdits(self)
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
@@ -86,13 +88,16 @@ class Interleaver:
         if req_id in self.traced:  # V2 re-sends a resumed request as new: never restart its blocks
             return
         extra = extra_args or {}
+        # a block whose saves stream per step binds its names as it runs: never lowered
+        lowerable = extra.get(compat.LOWER_KEY, True) is not False and not extra.get(compat.STREAM_KEY)
         blocks: list[RequestSession] = []
         for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY)):
             blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
-                                        batchable=all(b.batched for b in blocks)))
+                                        batchable=all(b.batched for b in blocks), lowerable=lowerable))
         raw = extra.get(codec.PAYLOAD_KEY)
         if raw is not None:
-            blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks)))
+            blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks),
+                                        lowerable=lowerable))
         if blocks:
             self._epoch += 1
             self.sessions[req_id] = blocks
@@ -115,21 +120,49 @@ class Interleaver:
         return [(eid, e) for eid, e in self.edits.items() if e[0] is None or e[0] in wanted]
 
     def _session(self, req_id: str, raw: Any, label: str = "", index: int = 0,
-                 batchable: bool = True) -> RequestSession:
+                 batchable: bool = True, lowerable: bool = True) -> RequestSession:
         """One block. ``batchable``: every earlier block of the request is batched, so a
-        batched spec here still runs in block order (batched edits apply first)."""
+        batched spec here still runs in block order (batched edits apply first).
+        ``lowerable``: a code block that is exactly a batched spec runs as that spec."""
         session = RequestSession(req_id, self)
         try:
             env = raw if isinstance(raw, dict) else codec.parse_envelope(raw)
             if env["kind"] == "spec":
                 self._admit_spec(session, env, index if batchable else None)
                 return session
+            lowered, values = self._lowering(env) if lowerable and batchable else (None, None)
+            if lowered is not None:
+                self._admit_spec(session, lowered.spec, index)
+                session.lowered = lowered
+                lower.STATS["lowered"] += 1
             session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
-            payload = codec.load_code(env, self._resolver())
-            session.namespace.update({k: self._to_device(v) for k, v in payload.values.items()})
+            if lowered is not None:
+                return session
+            if values is None:
+                values = codec.load_code(env, self._resolver()).values
+            session.namespace.update({k: self._to_device(v) for k, v in values.items()})
         except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
             session.fail(f"bad payload{' (' + label + ')' if label else ''}: {exc}")
         return session
+
+    def _lowering(self, env: dict[str, Any]) -> tuple[lower.Lowered | None, dict[str, Any] | None]:
+        """The batched spec a code block is (:mod:`.lower`), cached by the payload's
+        text: requests sending one block share one spec, so their ops batch by
+        identity. Also the values loaded to decide (None on a cache hit)."""
+        key = (env["source"], env["filename"], env["lineno"], env["values"])
+        if key in self._lowered:
+            return self._lowered[key], None
+        values = codec.load_code(env, self._resolver()).values
+        found = lower.lower_block(env["source"], env["lineno"], values, self.dtype)
+        try:
+            for op in found.spec["ops"] if found is not None else ():
+                self.check_module_access(op["module"], op.get("io", "output"))
+        except Exception:  # noqa: BLE001 - refused (untapped): the block reports it at its line
+            found = None
+        if len(self._lowered) >= 256:
+            self._lowered.clear()
+        self._lowered[key] = found
+        return found, values
 
     def install_edit(self, edit_id: str, name: str | None, raw: str) -> None:
         """An engine-wide edit: from the next admitted request on, every request runs it."""

@@ -52,11 +52,12 @@ def nnsight_stats(self: Any) -> dict[str, int]:
 
 
 def nnsight_lane_stats(self: Any) -> dict[str, int]:
-    """Location-steps of batched specs served by lanes (inside the forward's own
-    kernels) and by Python (the tap op's handler or a hook), since start."""
-    from . import lanes
+    """Counters since start: location-steps of batched specs served by lanes (inside
+    the forward's own kernels) and by Python (the tap op's handler or a hook), and
+    code blocks run as batched specs (``lowered``: see :mod:`.lower`)."""
+    from . import lanes, lower
 
-    return dict(lanes.STATS)
+    return {**lanes.STATS, **lower.STATS}
 
 
 def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str) -> bool:

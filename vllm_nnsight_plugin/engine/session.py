@@ -146,6 +146,7 @@ class RequestSession:
     batched_reads: bool = False  # ...that reads: its saves ship when the request ends
     prefill_reads: bool = False  # ...at the prompt only: those ship after the first step
     prompt_only: bool = False  # ...and nothing else: the session is over after that step
+    lowered: Any = None  # a code block run as its batched spec (lower.Lowered): maps errors to lines
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _on_device: bool = True  # the last off_host walk found a device tensor (to_host maps it)
     _glet: greenlet.greenlet | None = None
@@ -165,6 +166,8 @@ class RequestSession:
         if self.error is not None:
             return
         if isinstance(exc, str):
+            if self.lowered is not None and lineno is None:  # a lowered block: its op's line
+                exc, lineno = self.lowered.relabel(exc)
             lineno = lineno if lineno is not None else self._parked_line()
             self.error = engine_error(exc, lineno, self._line(lineno), self.filename)
         else:
