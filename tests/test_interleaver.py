@@ -571,6 +571,9 @@ def _steady_against_walk(config, seed: int) -> int:
                     inter.preempted(req_id)
             if event > 0.92:
                 del live[req_id]
+        elif event > 0.8:  # an untraced request ends: nothing traced changed
+            for inter in (fast, walk):
+                inter.finish([f"plain{step}"])
         ids = sorted(live) + ["untraced"]
         if rnd.random() < 0.15:
             ids = [r for r in ids if rnd.random() < 0.7] or ids[:1]

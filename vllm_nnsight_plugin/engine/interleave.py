@@ -235,8 +235,8 @@ class Interleaver:
         return resolve
 
     def finish(self, req_ids: set[str] | list[str]) -> None:
-        if req_ids:
-            self._epoch += 1
+        if any(r in self.traced or r in self.sessions for r in req_ids):
+            self._epoch += 1  # (an untraced request's end leaves the steady batch as it was)
         for req_id in req_ids:
             for session in self.sessions.pop(req_id, ()):
                 self._unwait(session)
