@@ -9,7 +9,8 @@ step (``begin_step``, the forward with the tap op at layer 8's output, logits,
 ``end_step``) on a small torch model with vLLM's config of a compiled, tapped
 engine (lanes on), and subtracts the same forward untraced. Workloads as the headline's:
 a batched steering spec, batched every-step reads of the residual stream (``"sum"``:
-output[0] + output[1]), and the same two as code blocks. Prints a markdown table: plugin time per
+output[0] + output[1]), the same two as nnsight-style blocks (which the engine runs as
+those specs: engine/lower.py) and as code (``nnsight_lower: false``). Prints a markdown table: plugin time per
 step and per request-step, and the share of the last step (results encoded as they
 leave the worker). Compare rows within one run.
 """
@@ -58,9 +59,12 @@ class Root(torch.nn.Module):
         self.model = Model()
 
 
+VEC = torch.full((HIDDEN,), 0.01)  # the model's dtype (float32): the block lowers
+
+
 def steer(model, tracer):
     for _ in tracer.all():
-        model.model.layers[8].output[0][:] += 0.01
+        model.model.layers[8].output[0][:] += VEC
 
 
 def every_token(model, tracer):
@@ -71,17 +75,21 @@ def every_token(model, tracer):
     stream = rows.save()  # noqa: F841
 
 
-def _payloads() -> dict[str, str]:
+def _payloads() -> dict[str, dict]:
+    """Each workload's ``extra_args``."""
     from vllm_nnsight_plugin import make_payload
 
     spec = {"v": 1, "kind": "spec"}
+    code = {"nnsight_lower": False}
     return {
-        "steer_spec": json.dumps({**spec, "ops": [{"op": "add", "module": "model.layers.8", "index": 0,
-                                                   "value": [0.01] * HIDDEN, "steps": "all"}]}),
-        "every_token_spec": json.dumps({**spec, "ops": [
-            {"op": "read", "name": "stream", "module": "model.layers.8", "sum": True, "steps": "all"}]}),
-        "steer (code)": make_payload(steer),
-        "every_token (code)": make_payload(every_token),
+        "steering, batched spec": {"nnsight": json.dumps({**spec, "ops": [
+            {"op": "add", "module": "model.layers.8", "index": 0, "value": [0.01] * HIDDEN, "steps": "all"}]})},
+        "every-token reads of the residual stream, batched spec (`\"sum\"`)": {"nnsight": json.dumps({**spec, "ops": [
+            {"op": "read", "name": "stream", "module": "model.layers.8", "sum": True, "steps": "all"}]})},
+        "steering, nnsight-style block (runs as the spec)": {"nnsight": make_payload(steer)},
+        "every-token capture, nnsight-style block (runs as the spec)": {"nnsight": make_payload(every_token)},
+        "steering, the block as code": {"nnsight": make_payload(steer), **code},
+        "every-token capture, the block as code": {"nnsight": make_payload(every_token), **code},
     }
 
 
@@ -95,7 +103,7 @@ def _config():
                       additional_config={"nnsight": {"taps": ["model.layers.8.output"]}}).create_engine_config()
 
 
-def run(config, payload: str, n: int, steps: int) -> tuple[float, float]:
+def run(config, extra: dict, n: int, steps: int) -> tuple[float, float]:
     """The plugin's seconds in a median decode step of ``n`` requests, and in the last
     step (blocks end, results are encoded), each less the median untraced forward."""
     from vllm import SamplingParams
@@ -112,7 +120,7 @@ def run(config, payload: str, n: int, steps: int) -> tuple[float, float]:
     ids = [f"r{i}" for i in range(n)]
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     for req_id in ids:
-        inter.admit(req_id, {"nnsight": payload}, params)
+        inter.admit(req_id, extra, params)
     spans = {r: (i, i + 1) for i, r in enumerate(ids)}
     rows = {r: i for i, r in enumerate(ids)}
     x = torch.randn(n, HIDDEN)
@@ -152,9 +160,9 @@ def main() -> None:
           "same forward untraced; the runner adapters' own loops are not included)\n")
     print("| workload | per step | per request-step (µs) | last step (results leave) |")
     print("|---|---:|---:|---:|")
-    for name, payload in _payloads().items():
-        run(config, payload, n, 4)  # warm-up
-        runs = [run(config, payload, n, steps) for _ in range(3)]  # this machine is noisy: median of 3
+    for name, extra in _payloads().items():
+        run(config, extra, n, 4)  # warm-up
+        runs = [run(config, extra, n, steps) for _ in range(3)]  # this machine is noisy: median of 3
         per_step, last = (statistics.median(r[i] for r in runs) for i in (0, 1))
         print(f"| {name} | {per_step * 1e3:.2f} ms | {per_step / n * 1e6:.1f} | {last * 1e3:.1f} ms |")
 
