@@ -14,6 +14,7 @@ from conftest import HFRun, assert_close, bit_identical_in_some_try
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, make_payload, results
+from vllm_nnsight_plugin.engine import batched
 from vllm_nnsight_plugin.engine.envoy import WorkerEnvoy, WorkerTracer
 from vllm_nnsight_plugin.engine.lower import lower_block, output_structure
 
@@ -53,15 +54,20 @@ class Toy(torch.nn.Module):
         self.layers = torch.nn.ModuleList([Pair(), Pair()])
         self.head = Plain()
         self.three = Triple()
+        self.tied = Plain()
+        self.also_tied = self.tied  # one module under two paths (shared weights)
 
 
-ROOT = WorkerEnvoy(Toy(), "", None)
+TOY = Toy()
+ROOT = WorkerEnvoy(TOY, "", None)
+SHARED = frozenset({id(TOY.tied)})
 TRACER = WorkerTracer(None)
 VEC = torch.ones(8)
 
 
 def _lower(source: str, **values):
-    return lower_block(textwrap.dedent(source), 10, {"model": ROOT, "tracer": TRACER, **values}, torch.float32)
+    return lower_block(textwrap.dedent(source), 10, {"model": ROOT, "tracer": TRACER, **values}, torch.float32,
+                       SHARED)
 
 
 def _ops(source: str, **values) -> list[dict]:
@@ -78,13 +84,13 @@ def test_annotations_give_each_modules_output_structure():
 
 def test_the_forms_lower_to_the_spec_they_are():
     assert _ops("x = model.layers[1].output[0].save()") == [
-        {"op": "read", "name": "x", "module": "layers.1", "index": 0, "steps": "prefill"}]
+        {"op": "read", "name": "x", "module": "layers.1", "index": 0, "structure": 2, "steps": "prefill"}]
     assert _ops("""
         out = model.layers[0].output
         s = (out[0] + out[1]).save()
         h = model.layers[1].attn.output.clone().save()
-        """) == [{"op": "read", "name": "s", "module": "layers.0", "sum": True, "steps": "prefill"},
-                 {"op": "read", "name": "h", "module": "layers.1.attn", "steps": "prefill"}]
+        """) == [{"op": "read", "name": "s", "module": "layers.0", "sum": True, "structure": 2, "steps": "prefill"},
+                 {"op": "read", "name": "h", "module": "layers.1.attn", "structure": 0, "steps": "prefill"}]
     lowered = _lower("""
         rows = []
         for _ in tracer.all():
@@ -96,16 +102,16 @@ def test_the_forms_lower_to_the_spec_they_are():
         stream = rows.save()
         """, v=VEC)
     assert lowered.spec["ops"] == [
-        {"op": "scale", "module": "layers.0.attn", "factor": 0.5, "steps": "all"},
-        {"op": "add", "module": "layers.0", "index": 0, "value": [1.0] * 8, "steps": "all"},
-        {"op": "zero", "module": "layers.1.attn", "steps": "all"},
-        {"op": "read", "name": "stream", "module": "layers.1", "sum": True, "steps": "all"}]
+        {"op": "scale", "module": "layers.0.attn", "structure": 0, "factor": 0.5, "steps": "all"},
+        {"op": "add", "module": "layers.0", "index": 0, "structure": 2, "value": [1.0] * 8, "steps": "all"},
+        {"op": "zero", "module": "layers.1.attn", "structure": 0, "steps": "all"},
+        {"op": "read", "name": "stream", "module": "layers.1", "sum": True, "structure": 2, "steps": "all"}]
     assert lowered.lines == (13, 14, 15, 17)  # the block's own lines (it starts at line 10)
     assert _ops("""
         rows = list().save()
         for step in tracer.iter[:]:
             rows.append(model.layers[1].output[1].clone())
-        """) == [{"op": "read", "name": "rows", "module": "layers.1", "index": 1, "steps": "all"}]
+        """) == [{"op": "read", "name": "rows", "module": "layers.1", "index": 1, "structure": 2, "steps": "all"}]
 
 
 @pytest.mark.parametrize("source", [
@@ -133,9 +139,22 @@ def test_the_forms_lower_to_the_spec_they_are():
     "x = model.layers[0].output[0].save()\ny = model.layers[0].attn.output.save()",  # the parent first
     "x = model.head.output.save()\ny = model.layers[0].output[0].save()",  # siblings: order unknown
     "x = model.layers[1].output[0].save()\nfor _ in tracer.all():\n    model.layers[0].output[0][:] += v",
+    # an alias holds what was served when it was bound: not a later step's values...
+    "out = model.layers[0].output\nrows = []\nfor _ in tracer.all():\n    rows.append(out[0] + out[1])\n"
+    "stream = rows.save()",
+    "out = model.layers[0].output\nfor _ in tracer.all():\n    out[0][:] += v",
+    # ...nor, after another access, values vLLM may have overwritten in place
+    "out = model.layers[0].output\ny = model.layers[1].output[0].save()\ns = (out[0] + out[1]).save()",
+    "for _ in tracer.all():\n    model.tied.output[:] += v",  # shared: called twice a step
+    "for _ in tracer.all():\n    model.head.output[:] += one",  # broadcasts in a block; lanes take rows
+    "list = model.layers[0].output\nrows = list().save()\nfor _ in tracer.all():\n"
+    "    rows.append(model.layers[1].output[0].clone())",  # list() is not the builtin
+    "for _ in tracer.all():\n    model.head.output[:] *= 18446744073709551616",  # OverflowError in a block
+    "for _ in tracer.all():\n    model.head.output[:] *= 1e999",  # inf
+    "x = model.layers[" + "-" * 2000 + "1].output[0].save()",  # too deep to match: runs as code
 ])
 def test_anything_else_stays_code(source):
-    assert _lower(source, v=VEC, w=VEC.double()) is None
+    assert _lower(source, v=VEC, w=VEC.double(), one=torch.ones(1)) is None
 
 
 def test_names_the_caller_had_are_rebound_by_the_block():
@@ -149,6 +168,36 @@ def test_names_the_caller_had_are_rebound_by_the_block():
 def test_an_envoy_the_caller_made_names_its_module():
     layer = ROOT.layers[1]
     assert _ops("x = layer.output[0].save()", layer=layer)[0]["module"] == "layers.1"
+
+
+def test_an_alias_used_at_once_in_its_own_scope_lowers():
+    ops = _ops("""
+        out = model.layers[0].output
+        s = (out[0] + out[1]).save()
+        rows = []
+        for _ in tracer.all():
+            h = model.layers[1].output
+            rows.append(h[0] + h[1])
+        stream = rows.save()
+        """)
+    assert [(op["name"], op["module"], op["steps"]) for op in ops] == [
+        ("s", "layers.0", "prefill"), ("stream", "layers.1", "all")]
+
+
+def test_a_value_that_is_not_the_annotated_structure_is_refused_naming_the_fix():
+    """vLLM's annotations are sometimes wrong (a few decoder layers say a pair and
+    return one tensor): a lowered op then fails its request rather than index the
+    value otherwise."""
+    op = {"op": "read", "name": "x", "module": "model.layers.0", "index": 0, "structure": 2}
+    batched.check_structure(op, (torch.zeros(2, 4), torch.zeros(2, 4)))
+    with pytest.raises(TypeError, match="is a Tensor, not a tuple of 2 tensors.*nnsight_lower"):
+        batched.check_structure(op, torch.zeros(2, 4))
+    with pytest.raises(TypeError, match=r"a tuple of \(Tensor, NoneType\)"):
+        batched.check_structure(op, (torch.zeros(2, 4), None))
+    with pytest.raises(TypeError, match="is a tuple .* not a tensor"):
+        batched.check_structure({**op, "structure": 0}, (torch.zeros(2, 4), torch.zeros(2, 4)))
+    batched.check_structure({"op": "read", "name": "x", "module": "m"}, None)  # a user's spec: no check here
+    assert batched._code_fits(op, "(TT") and not batched._code_fits(op, "T") and not batched._code_fits(op, "(TN")
 
 
 def test_a_lowered_error_names_the_blocks_line():

@@ -291,6 +291,8 @@ class BatchedEdits:
         parts, code = found
         if any(lane is None for lane in parts):
             return None
+        if any(not _code_fits(entry.op, code) for _, entry, _ in self._groups(key)):
+            return None  # (then the Python path fails the op, naming the mismatch)
         edits: dict[int, list[tuple]] = {}
         reads: list[tuple] = []
         read_parts: set[int] = set()
@@ -338,6 +340,7 @@ class BatchedEdits:
         """One copy of the location's rows this step, straight to (pinned) host memory
         without waiting for it. A prefill read keeps a view of the request's rows; a
         per-step read notes where its rows are (:class:`.rowlog.RowLog`)."""
+        check_structure(op, value)
         last = max(end for _, end in spans)
         name = op["name"]
         once = is_single(op)
@@ -365,6 +368,7 @@ class BatchedEdits:
             session.namespace[name].add(block, first + start, first + end)
 
     def _apply_one(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]], num_tokens: int) -> None:
+        check_structure(op, value)
         value = _per_token_tensor(op, value, num_tokens)
         spans.sort()
         start, end = spans[0][0], spans[-1][1]
@@ -399,6 +403,32 @@ class BatchedEdits:
                                  "to every row of the request")
             cached = self._values[key] = (op, value)
         return cached[1]
+
+
+def check_structure(op: dict[str, Any], value: Any) -> None:
+    """An op of a lowered block (engine/lower.py) assumed its module returns
+    ``structure`` (0: one tensor, N: a tuple of N tensors), from the forward's
+    annotation: refuse a value that is not that, rather than index it otherwise."""
+    want = op.get("structure")
+    if want is None:
+        return
+    if want == 0:
+        fits = isinstance(value, torch.Tensor)
+    else:
+        fits = type(value) is tuple and len(value) == want and all(isinstance(v, torch.Tensor) for v in value)
+    if not fits:
+        got = f"a tuple of ({', '.join(type(v).__name__ for v in value)})" if isinstance(value, tuple) \
+            else f"a {type(value).__name__}"
+        said = "a tensor" if want == 0 else f"a tuple of {want} tensors"
+        raise TypeError(f"{op['module']}.output is {got}, not {said} as its forward's annotation says; the "
+                        "block ran as a batched spec on that annotation: send it with extra_args "
+                        "{'nnsight_lower': False} to run it as code")
+
+
+def _code_fits(op: dict[str, Any], code: str) -> bool:
+    """Whether a tap site's value (its code, see taps.rebuild) is the op's ``structure``."""
+    want = op.get("structure")
+    return want is None or code == ("T" if want == 0 else "(" + "T" * want)
 
 
 def _where(entry: Entry) -> str:

@@ -47,6 +47,7 @@ class Interleaver:
         self.tracer = WorkerTracer(self)
         self.dtype = compat.model_dtype(vllm_config)
         self._lowered: dict[tuple, lower.Lowered | None] = {}  # payload text -> its spec (lower.py)
+        self._shared: frozenset[int] | None = None
         self.batched = batched.BatchedEdits(self)
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
@@ -153,7 +154,12 @@ class Interleaver:
         if key in self._lowered:
             return self._lowered[key], None
         values = codec.load_code(env, self._resolver()).values
-        found = lower.lower_block(env["source"], env["lineno"], values, self.dtype)
+        if self._shared is None:  # modules under two paths (shared weights): never lowered
+            seen: dict[int, int] = defaultdict(int)
+            for _, module in self.model.named_modules(remove_duplicate=False):
+                seen[id(module)] += 1
+            self._shared = frozenset(m for m, n in seen.items() if n > 1)
+        found = lower.lower_block(env["source"], env["lineno"], values, self.dtype, self._shared)
         try:
             for op in found.spec["ops"] if found is not None else ():
                 self.check_module_access(op["module"], op.get("io", "output"))

@@ -7,20 +7,24 @@ batched spec (one kernel for all requests; in CUDA graphs' lanes with ``taps``).
 This module recognises exactly those forms in the block's syntax tree::
 
     x = model.model.layers[6].output[0].save()        # read: the prompt's rows
-    out = model.model.layers[8].output                 # (an alias: out[0], out[1])
-    s = (out[0] + out[1]).save()                       # the residual stream, a 2-tuple's sum
     rows = []                                          # (or rows = list().save())
     for _ in tracer.all():                             # (or tracer.iter[:]): every step
-        model.model.layers[8].output[0][:] += vec      # add (a 1-D tensor of the model's dtype)
-        model.model.layers[9].mlp.output[:] *= 0.5     # scale (a number); ...[:] = 0 zeroes
+        model.model.layers[7].output[0][:] += vec      # add (a 1-D tensor of the model's dtype)
+        model.model.layers[8].self_attn.output[:] *= 0.5   # scale (a number); [:] = 0 zeroes
+        out = model.model.layers[8].output             # an alias, used at once: out[0], out[1]
         rows.append(out[0] + out[1])                   # read each step (a new tensor, or .clone())
     stream = rows.save()
 
 A module's output structure comes from its ``forward``'s return annotation
 (vLLM annotates its layers): ``output[i]`` lowers only where that is a tuple, a
 bare ``output`` only where it is a tensor, so indexing means what it means in the
-block. Accesses must certainly follow the forward's order (one module list's
-layers in index order, a submodule before its parent), as a block's must.
+block. Annotations can be wrong (a few vLLM models return one tensor where they
+say a pair): each op carries the ``structure`` it assumed, and the batched runner
+fails the request, naming the fix, where the value is not that. Accesses must
+certainly follow the forward's order (one module list's layers in index order, a
+submodule before its parent), as a block's must; an alias (``out``) is used only
+before any other access in its own scope, where it means a fresh access. Modules
+reachable by two paths (shared weights, called twice a step) are not lowered.
 Anything else (another statement, a second loop, a read beside an edit of one
 module, an unknown structure) leaves the block as code. Saved names and
 values are the block's; an error names the block's line.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 import re
 import typing
 from dataclasses import dataclass
@@ -80,13 +85,15 @@ def output_structure(cls: type) -> int | None:
 
 
 class _Matcher:
-    def __init__(self, values: dict[str, Any], dtype: torch.dtype):
+    def __init__(self, values: dict[str, Any], dtype: torch.dtype, shared: frozenset[int]):
         from .envoy import WorkerEnvoy, WorkerTracer
 
-        self.values, self.dtype = dict(values), dtype
+        self.values, self.dtype, self.shared = dict(values), dtype, shared
         self.envoys = {n: v for n, v in values.items() if isinstance(v, WorkerEnvoy)}
         self.tracers = {n for n, v in values.items() if isinstance(v, WorkerTracer)}
-        self.aliases: dict[str, Any] = {}  # out = <module>.output -> that envoy
+        # out = <module>.output -> (that envoy, the scope and access count it was bound at)
+        self.aliases: dict[str, tuple[Any, bool, int]] = {}
+        self.in_loop = False
         self.lists: dict[str, int | None] = {}  # rows = []: the op its one append made
         self.saved_lists: set[str] = set()  # rows = list().save(): saved before the loop
         self.ops: list[dict[str, Any]] = []
@@ -99,7 +106,7 @@ class _Matcher:
     def bind(self, name: str) -> None:
         """The block binds ``name``: what the caller's frame had under it is gone (a
         name bound twice is not one of the forms)."""
-        if name in self.bound:
+        if name in self.bound or name == "list":  # (list() must stay the builtin)
             raise _NoMatch
         self.bound.add(name)
         self.values.pop(name, None)
@@ -107,6 +114,14 @@ class _Matcher:
         self.tracers.discard(name)
 
     # ------------------------------------------------------------ expressions
+    def module(self, node: ast.expr) -> Any:
+        """The envoy of a module a block may read or edit as a spec: not one reachable
+        by two paths (shared weights run twice a step; a spec would apply twice)."""
+        envoy = self.envoy(node)
+        if id(envoy._module) in self.shared:
+            raise _NoMatch
+        return envoy
+
     def envoy(self, node: ast.expr) -> Any:
         """The module envoy an expression names (``model.model.layers[8]``)."""
         if isinstance(node, ast.Name) and node.id in self.envoys:
@@ -128,9 +143,14 @@ class _Matcher:
     def output(self, node: ast.expr) -> tuple[str, int | None]:
         """``<module>.output`` (or an alias of it): the module's path and structure."""
         if isinstance(node, ast.Name) and node.id in self.aliases:
-            envoy = self.aliases[node.id]
+            # an alias holds the values served when it was bound: it means the same as a
+            # fresh access only in that scope (not a later step) and before any other
+            # access (after one, vLLM may have overwritten them in place)
+            envoy, in_loop, mark = self.aliases[node.id]
+            if in_loop != self.in_loop or mark != len(self.accesses):
+                raise _NoMatch
         elif isinstance(node, ast.Attribute) and node.attr == "output":
-            envoy = self.envoy(node.value)
+            envoy = self.module(node.value)
             self.accesses.append(envoy._path)
         else:
             raise _NoMatch
@@ -148,18 +168,18 @@ class _Matcher:
                 left, right = self.output(node.left.value), self.output(node.right.value)
                 if left != right or left[1] != 2 or (_int(node.left.slice), _int(node.right.slice)) != (0, 1):
                     raise _NoMatch
-                return {"module": left[0], "sum": True}
+                return {"module": left[0], "sum": True, "structure": 2}
             raise _NoMatch
         if isinstance(node, ast.Subscript):
             path, size = self.output(node.value)
             index = _int(node.slice)
             if not size or not 0 <= index < size:
                 raise _NoMatch
-            return {"module": path, "index": index}
+            return {"module": path, "index": index, "structure": size}
         path, size = self.output(node)
         if size != 0:
             raise _NoMatch
-        return {"module": path}
+        return {"module": path, "structure": 0}
 
     def vector(self, node: ast.expr) -> list[float]:
         """A steering vector: a name bound to a 1-D tensor of the model's dtype (then
@@ -167,8 +187,9 @@ class _Matcher:
         if not isinstance(node, ast.Name) or node.id in self.bound:
             raise _NoMatch
         value = self.values.get(node.id)
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != self.dtype:
-            raise _NoMatch
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() < 2 \
+                or value.dtype != self.dtype or value.layout != torch.strided:
+            raise _NoMatch  # (one element broadcasts in a block; the lanes take whole rows)
         return value.detach().cpu().tolist()
 
     # ------------------------------------------------------------ statements
@@ -181,10 +202,10 @@ class _Matcher:
     def alias(self, stmt: ast.stmt) -> bool:
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
                 and isinstance(stmt.value, ast.Attribute) and stmt.value.attr == "output":
-            envoy = self.envoy(stmt.value.value)
+            envoy = self.module(stmt.value.value)
             self.accesses.append(envoy._path)
             self.bind(stmt.targets[0].id)
-            self.aliases[stmt.targets[0].id] = envoy
+            self.aliases[stmt.targets[0].id] = (envoy, self.in_loop, len(self.accesses))
             return True
         return False
 
@@ -221,8 +242,10 @@ class _Matcher:
         if isinstance(stmt, ast.For) and not looped and not stmt.orelse and isinstance(stmt.target, ast.Name) \
                 and self.every_step(stmt.iter):
             self.bind(stmt.target.id)
+            self.in_loop = True
             for inner in stmt.body:
                 self.step(inner)
+            self.in_loop = False
             for rows in list(self.saved_lists):  # rows = list().save(): the op's name is rows
                 op = self.lists.pop(rows, None)
                 if op is None:
@@ -299,7 +322,12 @@ def _int(node: ast.expr) -> int:
 
 
 def _number(node: ast.expr) -> bool:
-    return isinstance(node, ast.Constant) and type(node.value) in (int, float)
+    """A finite int or float literal a tensor op takes as it is (a huge int is an
+    OverflowError in the block)."""
+    if not isinstance(node, ast.Constant) or type(node.value) not in (int, float):
+        return False
+    value = node.value
+    return -(1 << 63) <= value < (1 << 63) if type(value) is int else math.isfinite(value)
 
 
 def _saved(node: ast.expr) -> ast.expr | None:
@@ -321,21 +349,25 @@ def _makes_new(node: ast.expr) -> bool:
     return isinstance(node, ast.BinOp) or isinstance(node, ast.Call)
 
 
-def lower_block(source: str, lineno: int, values: dict[str, Any], dtype: torch.dtype) -> Lowered | None:
+def lower_block(source: str, lineno: int, values: dict[str, Any], dtype: torch.dtype,
+                shared: frozenset[int] = frozenset()) -> Lowered | None:
     """The batched spec doing exactly what the block does, or None (see the module
-    docstring). ``values``: the block's loaded values (the model and tracer resolved)."""
+    docstring). ``values``: the block's loaded values (the model and tracer resolved);
+    ``shared``: ids of modules reachable by more than one path (never lowered)."""
     from . import batched
 
-    tree = ast.parse(source)
-    ast.increment_lineno(tree, lineno - 1)
     if "list" in values:  # list() would not be the builtin
         return None
-    matcher = _Matcher(values, dtype)
+    matcher = _Matcher(values, dtype, shared)
     try:
+        tree = ast.parse(source)
+        ast.increment_lineno(tree, lineno - 1)
         looped = False
         for stmt in tree.body:
             looped = matcher.top(stmt, looped) or looped
     except _NoMatch:
+        return None
+    except Exception:  # noqa: BLE001 - (a pathological block, e.g. too deeply nested): it runs as code
         return None
     if not matcher.ops or matcher.lists or matcher.read & matcher.edited:
         return None  # nothing to run, a list never saved, or a read beside an edit of one module
