@@ -200,6 +200,17 @@ def test_a_value_that_is_not_the_annotated_structure_is_refused_naming_the_fix()
     assert batched._code_fits(op, "(TT") and not batched._code_fits(op, "T") and not batched._code_fits(op, "(TN")
 
 
+def test_the_per_request_switch_reads_as_the_openai_server_passes_it():
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_nnsight_plugin.engine.interleave import lowering_wanted
+
+    xargs = CompletionRequest(model="m", prompt="x", vllm_xargs={"nnsight_lower": False}).vllm_xargs
+    assert not lowering_wanted(xargs["nnsight_lower"])  # (pydantic made it 0)
+    assert not any(lowering_wanted(v) for v in (False, 0, "false", "0"))
+    assert all(lowering_wanted(v) for v in (True, 1, "true"))
+
+
 def test_a_lowered_error_names_the_blocks_line():
     lowered = _lower("for _ in tracer.all():\n    model.layers[0].output[0][:] += v", v=VEC)
     assert lowered.relabel("ops[0] (add layers.0): the size is wrong") == ("the size is wrong", 11)

@@ -28,6 +28,12 @@ logger = logging.getLogger("vllm_nnsight_plugin")
 SERVED_LIMIT = 1 << 16  # distinct served storages remembered (eager engines reuse a bounded set)
 
 
+def lowering_wanted(flag: Any) -> bool:
+    """``nnsight_lower`` in ``extra_args``: off for False, 0 or "false" (an OpenAI
+    request's ``vllm_xargs`` turn JSON ``false`` into 0)."""
+    return str(flag).strip().lower() not in ("false", "0", "0.0", "no", "off")
+
+
 class Interleaver:
     """Worker-side state: sessions, waiters, hooks, the current step's layout."""
 
@@ -90,7 +96,7 @@ class Interleaver:
             return
         extra = extra_args or {}
         # a block whose saves stream per step binds its names as it runs: never lowered
-        lowerable = extra.get(compat.LOWER_KEY, True) is not False and not extra.get(compat.STREAM_KEY)
+        lowerable = lowering_wanted(extra.get(compat.LOWER_KEY, True)) and not extra.get(compat.STREAM_KEY)
         blocks: list[RequestSession] = []
         for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY)):
             blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
