@@ -470,6 +470,36 @@ def test_tapped_server_serves_its_taps_and_refuses_the_rest(tapped_server, llama
     assert "model.layers.*.output" in body["error"]["message"]
 
 
+def test_nnsight_style_blocks_over_http_run_as_specs_with_the_blocks_results(tapped_server, llama_path, hf_llama):
+    """The GPU-less client sends a steering + every-step read block as code; the
+    tapped server runs it as the batched spec it is (engine/lower.py; test_lower.py
+    counts that in process), and as code when the request says ``nnsight_lower:
+    false`` (JSON false: 0 in vllm_xargs). Both give the same results, and HF's."""
+    model = VLLM(llama_path)
+    v = torch.linspace(-1, 1, 128)
+    runs = []
+    for extra in ({}, {"nnsight_lower": False}):
+        with model.trace("The Eiffel Tower is in", serve=tapped_server.url, api_key=KEY, temperature=0.0,
+                         max_tokens=3, ignore_eos=True, extra_args=extra) as tracer:
+            rows = []
+            for _ in tracer.all():
+                model.model.layers[0].output[0][:] += v
+                out = model.model.layers[2].output
+                rows.append(out[0] + out[1])
+            stream = rows.save()
+        runs.append((list(tracer.outputs[0].outputs[0].token_ids), stream))
+    (tokens, stream), (code_tokens, code_stream) = runs
+    assert tokens == code_tokens and len(stream) == len(code_stream) == 3
+    for a, b in zip(stream, code_stream):
+        assert_close(a, b, 1e-5)
+    ids = tracer.outputs[0].prompt_token_ids
+    hf = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0], lambda h: h + v)
+    hf.record("resid", hf_llama.model.layers[2])
+    ref = hf.logits()
+    assert_close(stream[0], hf.records["resid"])
+    assert tokens[0] == int(ref[-1].argmax())
+
+
 def test_sse_chunks_carry_each_steps_saves(spec_server, llama_path, hf_llama):
     spec = _spec([{"op": "logits_topk", "name": "top", "k": 2, "steps": "all"}])
     chunks = spec_server.stream("/v1/completions", {
