@@ -203,12 +203,54 @@ def test_a_value_that_is_not_the_annotated_structure_is_refused_naming_the_fix()
 def test_the_per_request_switch_reads_as_the_openai_server_passes_it():
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from vllm_nnsight_plugin.engine.interleave import lowering_wanted
+    from vllm_nnsight_plugin.engine.lower import wanted as lowering_wanted
 
     xargs = CompletionRequest(model="m", prompt="x", vllm_xargs={"nnsight_lower": False}).vllm_xargs
     assert not lowering_wanted(xargs["nnsight_lower"])  # (pydantic made it 0)
     assert not any(lowering_wanted(v) for v in (False, 0, "false", "0"))
     assert all(lowering_wanted(v) for v in (True, 1, "true"))
+
+
+BIG = torch.ones(20_000)  # 80 KB: its payload is over the lowering cache's size
+
+
+def _steer_toy(model, tracer):
+    for _ in tracer.all():
+        model.layers[0].output[0][:] += VEC
+
+
+def _steer_toy_big(model, tracer):
+    for _ in tracer.all():
+        model.layers[0].output[0][:] += BIG
+
+
+def test_lowerings_are_cached_by_payload_text_unless_large():
+    import json
+
+    from vllm_nnsight_plugin.engine.lower import Lowerings
+
+    lowerings = Lowerings(TOY, torch.float32)
+
+    def resolve(ref: tuple):
+        return ROOT if ref[0] == "model" else TRACER
+
+    def serves(path: str, kind: str) -> None:
+        pass
+
+    env = json.loads(make_payload(_steer_toy))
+    first, values = lowerings.get(env, resolve, serves)
+    assert first is not None and set(values) == {"model", "tracer", "VEC"}
+    again, values = lowerings.get(env, resolve, serves)
+    assert again is first and values is None  # the same ops (they batch), nothing unpickled
+    big = json.loads(make_payload(_steer_toy_big))
+    one, _ = lowerings.get(big, resolve, serves)
+    two, values = lowerings.get(big, resolve, serves)
+    assert one is not None and two is not None and two is not one and values is not None
+
+    def untapped(path: str, kind: str) -> None:
+        raise ValueError("not tapped")
+
+    assert Lowerings(TOY, torch.float32).get(env, resolve, untapped)[0] is None  # the block says it itself
 
 
 def test_a_lowered_error_names_the_blocks_line():

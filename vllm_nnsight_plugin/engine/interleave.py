@@ -28,12 +28,6 @@ logger = logging.getLogger("vllm_nnsight_plugin")
 SERVED_LIMIT = 1 << 16  # distinct served storages remembered (eager engines reuse a bounded set)
 
 
-def lowering_wanted(flag: Any) -> bool:
-    """``nnsight_lower`` in ``extra_args``: off for False, 0 or "false" (an OpenAI
-    request's ``vllm_xargs`` turn JSON ``false`` into 0)."""
-    return str(flag).strip().lower() not in ("false", "0", "0.0", "no", "off")
-
-
 class Interleaver:
     """Worker-side state: sessions, waiters, hooks, the current step's layout."""
 
@@ -51,9 +45,7 @@ class Interleaver:
         self.root = WorkerEnvoy(model, "", self)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
-        self.dtype = compat.model_dtype(vllm_config)
-        self._lowered: dict[tuple, lower.Lowered | None] = {}  # payload text -> its spec (lower.py)
-        self._shared: frozenset[int] | None = None
+        self.lowerings = lower.Lowerings(model, compat.model_dtype(vllm_config))  # code blocks run as specs
         self.batched = batched.BatchedEdits(self)
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
@@ -96,7 +88,7 @@ class Interleaver:
             return
         extra = extra_args or {}
         # a block whose saves stream per step binds its names as it runs: never lowered
-        lowerable = lowering_wanted(extra.get(compat.LOWER_KEY, True)) and not extra.get(compat.STREAM_KEY)
+        lowerable = lower.wanted(extra.get(compat.LOWER_KEY, True)) and not extra.get(compat.STREAM_KEY)
         blocks: list[RequestSession] = []
         for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY)):
             blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
@@ -137,7 +129,8 @@ class Interleaver:
             if env["kind"] == "spec":
                 self._admit_spec(session, env, index if batchable else None)
                 return session
-            lowered, values = self._lowering(env) if lowerable and batchable else (None, None)
+            lowered, values = self.lowerings.get(env, self._resolver(), self.check_module_access) \
+                if lowerable and batchable else (None, None)
             if lowered is not None:
                 self._admit_spec(session, lowered.spec, index)
                 session.lowered = lowered
@@ -151,30 +144,6 @@ class Interleaver:
         except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
             session.fail(f"bad payload{' (' + label + ')' if label else ''}: {exc}")
         return session
-
-    def _lowering(self, env: dict[str, Any]) -> tuple[lower.Lowered | None, dict[str, Any] | None]:
-        """The batched spec a code block is (:mod:`.lower`), cached by the payload's
-        text: requests sending one block share one spec, so their ops batch by
-        identity. Also the values loaded to decide (None on a cache hit)."""
-        key = (env["source"], env["filename"], env["lineno"], env["values"])
-        if key in self._lowered:
-            return self._lowered[key], None
-        values = codec.load_code(env, self._resolver()).values
-        if self._shared is None:  # modules under two paths (shared weights): never lowered
-            seen: dict[int, int] = defaultdict(int)
-            for _, module in self.model.named_modules(remove_duplicate=False):
-                seen[id(module)] += 1
-            self._shared = frozenset(m for m, n in seen.items() if n > 1)
-        found = lower.lower_block(env["source"], env["lineno"], values, self.dtype, self._shared)
-        try:
-            for op in found.spec["ops"] if found is not None else ():
-                self.check_module_access(op["module"], op.get("io", "output"))
-        except Exception:  # noqa: BLE001 - refused (untapped): the block reports it at its line
-            found = None
-        if len(self._lowered) >= 256:
-            self._lowered.clear()
-        self._lowered[key] = found
-        return found, values
 
     def install_edit(self, edit_id: str, name: str | None, raw: str) -> None:
         """An engine-wide edit: from the next admitted request on, every request runs it."""

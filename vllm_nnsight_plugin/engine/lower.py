@@ -37,6 +37,8 @@ import functools
 import math
 import re
 import typing
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -377,3 +379,57 @@ def lower_block(source: str, lineno: int, values: dict[str, Any], dtype: torch.d
     if not batched.eligible(spec):
         return None
     return Lowered(spec, tuple(matcher.lines))
+
+
+CACHEABLE = 64 * 1024  # payload text (values + source) whose lowering is cached
+
+
+def wanted(flag: Any) -> bool:
+    """``nnsight_lower`` in ``extra_args``: off for False, 0 or "false" (an OpenAI
+    request's ``vllm_xargs`` turn JSON ``false`` into 0)."""
+    return str(flag).strip().lower() not in ("false", "0", "0.0", "no", "off")
+
+
+class Lowerings:
+    """An engine's lowerings, cached by payload text: requests sending one block
+    share one spec, so their ops batch by identity, and a hit loads no values."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+        self._cache: dict[tuple, Lowered | None] = {}
+        self._shared: frozenset[int] | None = None
+
+    def get(self, env: dict[str, Any], resolve: Callable[[tuple], Any],
+            check_access: Callable[[str, str], None]) -> tuple[Lowered | None, dict[str, Any] | None]:
+        """The spec a checked code envelope is (None: run it as code), and the values
+        loaded to decide (None on a cache hit). ``check_access`` raises for a module
+        the engine does not serve (untapped): that block runs as code and reports it
+        at its line. Payloads over :data:`CACHEABLE` (a block shipping a large
+        tensor) are decided each time: the cache keeps no megabytes alive."""
+        from ..payload import codec
+
+        key = (env["source"], env["filename"], env["lineno"], env["values"])
+        cacheable = len(env["values"]) + len(env["source"]) <= CACHEABLE
+        if cacheable and key in self._cache:
+            return self._cache[key], None
+        values = codec.load_code(env, resolve).values
+        found = lower_block(env["source"], env["lineno"], values, self.dtype, self.shared())
+        try:
+            for op in found.spec["ops"] if found is not None else ():
+                check_access(op["module"], op.get("io", "output"))
+        except Exception:  # noqa: BLE001 - refused: the block reports it itself
+            found = None
+        if cacheable:
+            if len(self._cache) >= 256:
+                self._cache.clear()
+            self._cache[key] = found
+        return found, values
+
+    def shared(self) -> frozenset[int]:
+        """Ids of modules under more than one path (shared weights): never lowered."""
+        if self._shared is None:
+            seen: dict[int, int] = defaultdict(int)
+            for _, module in self.model.named_modules(remove_duplicate=False):
+                seen[id(module)] += 1
+            self._shared = frozenset(m for m, n in seen.items() if n > 1)
+        return self._shared
