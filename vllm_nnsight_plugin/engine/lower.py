@@ -100,8 +100,6 @@ class _Matcher:
         self.saved_lists: set[str] = set()  # rows = list().save(): saved before the loop
         self.ops: list[dict[str, Any]] = []
         self.lines: list[int] = []
-        self.read: set[str] = set()
-        self.edited: set[str] = set()
         self.bound: set[str] = set()
         self.accesses: list[str] = []  # each .output the block evaluates, in order
 
@@ -196,7 +194,6 @@ class _Matcher:
 
     # ------------------------------------------------------------ statements
     def add(self, op: dict[str, Any], line: int) -> int:
-        (self.read if op["op"] == "read" else self.edited).add(op["module"])
         self.ops.append(op)
         self.lines.append(line)
         return len(self.ops) - 1
@@ -371,7 +368,8 @@ def lower_block(source: str, lineno: int, values: dict[str, Any], dtype: torch.d
         return None
     except Exception:  # noqa: BLE001 - (a pathological block, e.g. too deeply nested): it runs as code
         return None
-    if not matcher.ops or matcher.lists or matcher.read & matcher.edited:
+    read = {op["module"] for op in matcher.ops if op["op"] == "read"}
+    if not matcher.ops or matcher.lists or any(op["module"] in read for op in matcher.ops if op["op"] != "read"):
         return None  # nothing to run, a list never saved, or a read beside an edit of one module
     if not all(_before(a, b) for a, b in zip(matcher.accesses, matcher.accesses[1:])):
         return None  # maybe out of execution order: the block reports it (a spec would not)
