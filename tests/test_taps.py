@@ -183,16 +183,25 @@ def test_batched_spec_steering_at_a_tap_equals_the_block(tapped):
             assert all(abs(step_s[t] - step_b[t]) <= 1e-5 for t in step_s)
 
 
+def _read_stream(model, tracer):
+    rows = []
+    for _ in tracer.all():
+        out = model.model.layers[2].output  # (not layer 1, which the steering edits: see below)
+        rows.append(out[0] + out[1])
+    stream = rows.save()  # noqa: F841
+
+
 def test_nnsight_style_blocks_run_in_the_lanes(tapped):
     """Steering and an every-step read written as nnsight blocks run as the batched
     spec they are (engine/lower.py): in the tap op's lanes, none through Python, with
     what the spec and the block run as code give."""
     from test_batched import VEC_A, _block_a, _params, _seen, _spec
-    from test_lower import read_every_step
 
     llm = tapped.vllm_entrypoint
     prompts = ["The capital of Japan is", "Hello world!", "One two three four"]
-    steer, read = make_payload(_block_a), make_payload(read_every_step)
+    # the read is at another location than the steering: where one location has both, the
+    # lanes' plan depends on the order of its groups (by object id) and may leave it to Python
+    steer, read = make_payload(_block_a), make_payload(_read_stream)
     before = _lane_stats(llm)
     lowered = llm.generate(prompts, [_params(steer), _params(), _params(read)], use_tqdm=False)
     after = _lane_stats(llm)
