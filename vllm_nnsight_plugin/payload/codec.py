@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import collections
 import functools
 import io
 import json
@@ -36,6 +37,9 @@ from . import values as tagged
 PAYLOAD_KEY = "nnsight"
 VERSION = 1
 DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+# JSON values one payload may hold: parsing holds the interpreter for about 0.1 us a value
+# (a front end's event loop too); tensor bytes travel as base64 strings, which parse at once
+MAX_JSON_ITEMS = 1 << 18
 
 
 class PayloadError(ValueError):
@@ -111,11 +115,13 @@ def encode_code(payload: CodePayload) -> str:
     return text
 
 
-def parse_envelope(raw: Any) -> dict[str, Any]:
+def parse_envelope(raw: Any, max_width: int | None = None) -> dict[str, Any]:
     """Check a payload's structure without executing anything (front end and worker).
 
     Checked envelopes are cached by their text (the same block or spec sent for
-    many requests is parsed and schema-checked once); callers must not mutate them.
+    many requests is parsed and checked once per process); callers must not mutate
+    them. ``max_width``: the served model's widest tensor, when known (a spec's
+    longer value is refused before its numbers are looked at).
     """
     if isinstance(raw, bytes):
         raw = raw.decode("utf-8", errors="replace")
@@ -125,36 +131,56 @@ def parse_envelope(raw: Any) -> dict[str, Any]:
     if len(raw) > limit:
         raise PayloadError(f"payload is {len(raw)} bytes, over the limit of {limit}")
     if len(raw) <= _CACHEABLE:
-        return _parse_cached(raw)
-    return _parse(raw)
+        return _parse_cached(raw, max_width)
+    items = raw.count(",")  # about one per JSON value: bounds what parsing costs, before it starts
+    if items > MAX_JSON_ITEMS:
+        raise PayloadError(f"payload has about {items} JSON values, over the limit of {MAX_JSON_ITEMS}: send "
+                           'large tensors as {"$tensor": {"dtype", "shape", "data"}} (base64 bytes)')
+    # A large payload is not kept by text (megabytes per entry); the same string object
+    # reaching a second check in this process (the HTTP handler, then vLLM's input
+    # processing) is recognised by identity and not parsed again.
+    for held, width, env in _recent_large:
+        if held is raw and width == max_width:
+            return env
+    env = _parse(raw, max_width)
+    _recent_large.append((raw, max_width, env))
+    return env
 
 
 _CACHEABLE = 64 * 1024
+_recent_large: collections.deque = collections.deque(maxlen=4)
 
 
 @functools.lru_cache(maxsize=512)
-def _parse_cached(raw: str) -> dict[str, Any]:
-    return _parse(raw)
+def _parse_cached(raw: str, max_width: int | None) -> dict[str, Any]:
+    return _parse(raw, max_width)
 
 
-def _parse(raw: str) -> dict[str, Any]:
+def _refuse_constant(name: str) -> None:
+    raise PayloadError(f"payload is not valid JSON: {name} is not a JSON number")
+
+
+def _parse(raw: str, max_width: int | None) -> dict[str, Any]:
     try:
-        env = json.loads(raw)
+        env = json.loads(raw, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         raise PayloadError(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise PayloadError("payload is nested too deeply") from None
     if not isinstance(env, dict):
         raise PayloadError("payload must be a JSON object")
-    if env.get("v") != VERSION:
-        raise PayloadError(f"payload field 'v' must be {VERSION}, got {env.get('v')!r}")
+    version = env.get("v")
+    if not (type(version) in (int, float) and version == VERSION):
+        raise PayloadError(f"payload field 'v' must be {VERSION}, got {version!r:.40}")
     kind = env.get("kind")
     if kind == "spec":
         from . import spec
 
-        return spec.validate(env)
+        return spec.validate(env, max_width)
     if kind != "code":
-        raise PayloadError(f"payload field 'kind' must be 'code' or 'spec', got {kind!r}")
+        raise PayloadError(f"payload field 'kind' must be 'code' or 'spec', got {kind!r:.40}")
     for key, typ in (("source", str), ("filename", str), ("lineno", int), ("values", str)):
-        if not isinstance(env.get(key), typ):
+        if type(env.get(key)) is not typ:
             raise PayloadError(f"payload field {key!r} must be a {typ.__name__}")
     try:
         base64.b64decode(env["values"], validate=True)
@@ -162,8 +188,8 @@ def _parse(raw: str) -> dict[str, Any]:
         raise PayloadError("payload field 'values' is not valid base64") from None
     try:
         ast.parse(env["source"], env["filename"])
-    except SyntaxError as exc:
-        raise PayloadError(f"payload source does not compile: {exc}") from None
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise PayloadError(f"payload source does not compile: {type(exc).__name__}: {exc}") from None
     return env
 
 
