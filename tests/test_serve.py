@@ -344,13 +344,67 @@ def test_sixteen_concurrent_requests_half_traced(spec_server, llama_path, hf_lla
     (_spec([{"op": "read", "name": "s", "module": "model.layers.1", "index": 0, "sum": True}]), r"ops\[0\]\.sum"),
     ("{not json", "not valid JSON"),
     ("x" * (9 * 1024 * 1024), "over the limit"),
+    ("[" * 1000, "nested too deeply"),
+    ('{"a":' * 3000 + "1" + "}" * 3000, "nested too deeply"),
+    ('{"v": 1, "kind": "spec", "ops": [{"op": "scale", "module": "model.layers.0", "factor": NaN}]}', "NaN"),
+    (_spec([{"op": "scale", "module": "model.layers.0", "factor": 2}]).replace('"v": 1', '"v": true'), "'v' must"),
+    (_spec([{"op": "zero", "module": "model.layers.0\n"}]), r"ops\[0\]\.module"),
+    (_spec([{"op": "scale", "module": "model.layers.0", "io": "input", "factor": 1e6}]), "integer tensor"),
+    (_spec([{"op": "set", "module": "model.embed_tokens", "io": "input", "value": 100000}]), "integer tensor"),
+    (_spec([{"op": "add", "module": "model.layers.0", "value": [0.5] * 1_000_000}]), "JSON values, over the limit"),
+    (_spec([{"op": "add", "module": "model.layers.0", "value": [0.5] * 200_000}]), "wider than any|no tensor"),
 ])
-def test_bad_payloads_get_a_400_and_the_server_stays_up(code_server, payload, match):
-    status, body = code_server.post("/v1/completions", {
-        "model": "tiny", "prompt": "Hello", "max_tokens": 1, "vllm_xargs": {"nnsight": payload}})
-    assert status == 400, body
-    assert __import__("re").search(match, json.dumps(body)), body
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/nnsight/edits"])
+def test_bad_payloads_get_a_400_and_the_server_stays_up(code_server, payload, match, route):
+    body = {"payload": payload} if route.endswith("edits") else {
+        "model": "tiny", "max_tokens": 1, "vllm_xargs": {"nnsight": payload},
+        **({"prompt": "Hello"} if route.endswith("/completions") and "chat" not in route
+           else {"messages": [{"role": "user", "content": "Hello"}]})}
+    status, answer = code_server.post(route, body)
+    assert status == 400, answer
+    assert __import__("re").search(match, json.dumps(answer)), answer
     assert code_server.health() == 200
+
+
+def test_refusals_are_logged_with_their_reason(code_server):
+    code_server.post("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 1,
+                                         "vllm_xargs": {"nnsight": "[" * 2000}})
+    assert "refused a payload from http: payload is nested too deeply" in open(code_server.log).read()
+
+
+def test_edits_route_refuses_bodies_that_are_not_objects(code_server):
+    for body in ([1, 2], "text", None, {"payload": 5}, {"payload": _spec([{"op": "zero", "module": "m"}]), "name": 3}):
+        status, answer = code_server.post("/v1/nnsight/edits", body)
+        assert status == 400, answer
+    assert code_server.health() == 200
+
+
+def test_non_finite_spec_ends_its_request_visibly_and_poisons_nothing(spec_server):
+    """The reproducer of a NaN that outlived its request, over HTTP: the traced
+    requests end with stop_reason "nnsight_error" (besides the error in
+    kv_transfer_params), and plain requests for the same prompts afterwards, which
+    get the freed KV blocks, answer exactly as before, logprob for logprob."""
+    prompts = ["The Eiffel Tower is in", "Hello world!", "One two three four five six seven"]
+    plain = {"model": "tiny", "max_tokens": 8, "temperature": 0.0, "logprobs": 1, "ignore_eos": True}
+
+    def run(extra: dict) -> list[dict]:
+        out = []
+        for prompt in prompts:
+            status, body = spec_server.post("/v1/completions", {**plain, "prompt": prompt, **extra})
+            assert status == 200, body
+            out.append(body)
+        return out
+
+    before = run({})
+    overflow = _spec([{"op": "add", "module": "model.layers.1", "index": i, "value": [3e38] * 128, "steps": "all"}
+                      for i in (0, 1)])
+    for body in run({"vllm_xargs": {"nnsight": overflow}}):
+        choice = body["choices"][0]
+        assert choice["stop_reason"] == "nnsight_error", choice
+        assert "NaN or inf" in body["kv_transfer_params"]["nnsight"]["error"]["message"]
+    after = run({})
+    assert [b["choices"][0]["logprobs"] for b in after] == [b["choices"][0]["logprobs"] for b in before]
+    assert [b["choices"][0]["text"] for b in after] == [b["choices"][0]["text"] for b in before]
 
 
 def test_truncated_pickle_is_a_per_request_error(code_server):

@@ -25,6 +25,7 @@ import torch
 
 from ..payload.spec import is_single
 from . import lanes, taps
+from .guards import check_writable
 from .host import host_copy, put_rows
 from .rowlog import RowLog
 from .spec_runner import _tensor, pick_index, read_value
@@ -307,8 +308,8 @@ class BatchedEdits:
                 reads.append(group)
                 continue
             part = lanes.part_of(code, entry.op.get("index"))
-            if part is None or part in read_parts:
-                return None
+            if part is None or part in read_parts or not parts[part].read.is_floating_point():
+                return None  # (an integer tensor: the Python path refuses the edit)
             for session in sessions:
                 if (part, session.req_id) in edited:
                     return None
@@ -370,6 +371,7 @@ class BatchedEdits:
     def _apply_one(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]], num_tokens: int) -> None:
         check_structure(op, value)
         value = _per_token_tensor(op, value, num_tokens)
+        check_writable(value, f"{op['module']}.{op.get('io', 'output')}")
         spans.sort()
         start, end = spans[0][0], spans[-1][1]
         if sum(e - s for s, e in spans) == end - start:  # contiguous rows: one view

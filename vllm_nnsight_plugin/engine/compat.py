@@ -22,6 +22,9 @@ V1_GRAPH_DISPATCH = "_determine_batch_execution_and_padding"  # picks FULL/PIECE
 RUNNER_V2 = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")  # Model Runner V2 (same class name)
 V2_GRAPH_DISPATCH = "dispatch_cg_and_sync_dp"  # module function of RUNNER_V2's module
 SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
+KV_CACHE_MANAGER = ("vllm.v1.core.kv_cache_manager", "KVCacheManager")
+KV_MANAGER_FREES = ("free", "pop_blocks_for_free")  # (request): a request's blocks go back to the pool
+BLOCK_POOL = ("vllm.v1.core.block_pool", "BlockPool")  # get_new_blocks: the only fresh allocation
 SCHEDULER_REQUEST_UPDATE = "_update_request_with_output"  # per request per step: (new ids, stopped)
 INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
@@ -455,6 +458,58 @@ def serving_vllm_config(serving: Any) -> Any:
     """The engine config behind an OpenAI serving handler."""
     client = getattr(serving, "engine_client", None)
     return getattr(client, "vllm_config", None)
+
+
+def scheduler_block_pool(scheduler: Any) -> Any:
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    return getattr(manager, "block_pool", None)
+
+
+def zero_kv_blocks(runner: Any, block_ids: list[int]) -> None:
+    """Zero KV cache blocks in every layer, with vLLM's own zeroer where the runner has
+    one (it knows each backend's layout), else along the dimension of size num_blocks."""
+    zeroer = getattr(runner, "kv_block_zeroer", None)  # Model Runner V2
+    if zeroer is None and getattr(getattr(runner, "device", None), "type", "cpu") == "cuda" \
+            and hasattr(runner, "_init_kv_zero_meta"):
+        if not hasattr(runner, "_kv_block_zeroer"):  # V1 builds it only for models that need it
+            runner._init_kv_zero_meta()
+        zeroer = runner._kv_block_zeroer
+    if zeroer is not None:
+        zeroer.zero_block_ids(list(block_ids))
+        return
+    if type(runner).__name__ == "CPUModelRunner" and hasattr(runner, "_zero_block_ids"):
+        runner._zero_block_ids(list(block_ids))
+        return
+    import torch
+
+    num_blocks = runner.kv_cache_config.num_blocks
+    index = None
+    for kv in runner.kv_caches:
+        tensors = kv if isinstance(kv, (list, tuple)) else [kv]
+        for t in tensors:
+            dim = next((d for d, n in enumerate(t.shape) if n == num_blocks), None)
+            if dim is None:
+                continue
+            if index is None or index.device != t.device:
+                index = torch.tensor(block_ids, device=t.device)
+            t.index_fill_(dim, index, 0)
+
+
+def model_width(vllm_config: Any) -> int | None:
+    """An upper bound on the last dimension of any activation of the served model (a
+    spec's longer value cannot fit anywhere): the vocabulary, the fused QKV and
+    gate/up projections, a 4x MLP. None when the config does not say."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return None
+    try:
+        hf = mc.hf_text_config
+        hidden, heads = mc.get_hidden_size(), getattr(hf, "num_attention_heads", 0) or 0
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        inter = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 0
+        return max(mc.get_vocab_size(), 4 * hidden, 2 * int(inter), (heads + 2 * kv_heads) * mc.get_head_size())
+    except Exception:  # noqa: BLE001 - a config without these: no bound
+        return None
 
 
 def additional_config(vllm_config: Any) -> dict:

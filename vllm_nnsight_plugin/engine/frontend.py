@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..payload import codec
-from . import batched, compat, edits, taps
+from . import batched, compat, edits, guards, taps
 
-logger = logging.getLogger("vllm_nnsight_plugin")
+logger = logging.getLogger("vllm.nnsight_plugin")
 
 MODULE_ATTRS = ("output", "input", "inputs")
 
@@ -33,18 +33,45 @@ def touches_modules(env: dict[str, Any]) -> bool:
     return any(isinstance(n, ast.Attribute) and n.attr in MODULE_ATTRS for n in ast.walk(tree))
 
 
+# Module paths whose input is an index tensor, from the workers (guards.table): known
+# once a server or VLLM client asked the engine (learn_module_table); until then the
+# worker refuses such edits at admission.
+INTEGER_INPUTS: frozenset[str] | None = None
+
+
+def learn_module_table(table: dict[str, Any]) -> None:
+    global INTEGER_INPUTS
+    INTEGER_INPUTS = frozenset(table["integer_inputs"])
+
+
+async def ensure_module_table(engine_client: Any) -> None:
+    """Ask the engine for its module table once (an API server's first traced request)."""
+    if INTEGER_INPUTS is None and engine_client is not None:
+        learn_module_table((await engine_client.collective_rpc("nnsight_module_table"))[0])
+
+
 def check_payload(raw: Any, params: Any, vllm_config: Any = None) -> dict[str, Any]:
-    """Validate one payload; raise :class:`codec.PayloadError` with the reason."""
+    """Validate one payload; raise :class:`codec.PayloadError` with the reason (and log
+    the refusal, never the payload)."""
+    origin = "http" if compat.serving_http() else "python"
+    try:
+        return _check_payload(raw, params, vllm_config, origin)
+    except codec.PayloadError as exc:
+        logger.warning("refused a payload from %s: %s", origin, str(exc)[:500])
+        raise
+
+
+def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict[str, Any]:
     from ..hooks import refusal
 
-    env = codec.parse_envelope(raw)
-    origin = "http" if compat.serving_http() else "python"
+    env = codec.parse_envelope(raw, compat.model_width(vllm_config) if vllm_config is not None else None)
     reason = refusal(env["kind"], origin, compat.additional_config(vllm_config))
     if reason:
-        logger.warning("refused a %s payload from %s: %s", env["kind"], origin, reason)
         raise codec.PayloadError(reason)
     if getattr(params, "n", 1) != 1:
         raise codec.PayloadError("traced requests take n=1: run one invoke per sample instead of n>1")
+    if INTEGER_INPUTS is not None:
+        guards.refuse_integer_writes(env, INTEGER_INPUTS)
     if vllm_config is None or compat.runs_eager(vllm_config):
         return env
     tapped = taps.from_settings(compat.additional_config(vllm_config))

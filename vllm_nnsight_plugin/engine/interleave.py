@@ -8,6 +8,7 @@ engine runs with no hooks at all.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from ..payload import codec
-from . import batched, compat, host, lanes, lower, taps
+from . import batched, compat, guards, host, isolation, lanes, lower, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
@@ -24,7 +25,7 @@ from .rows import StepLayout, _per_token, assign_into, narrow
 from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait, engine_error, to_host
 from .tree import leaves, map_tensors
 
-logger = logging.getLogger("vllm_nnsight_plugin")
+logger = logging.getLogger("vllm.nnsight_plugin")
 SERVED_LIMIT = 1 << 16  # distinct served storages remembered (eager engines reuse a bounded set)
 
 
@@ -47,6 +48,7 @@ class Interleaver:
         self.tracer = WorkerTracer(self)
         self.lowerings = lower.Lowerings(model, compat.model_dtype(vllm_config))  # code blocks run as specs
         self.batched = batched.BatchedEdits(self)
+        self.finite = isolation.FiniteLogits()
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
         self.params: dict[str, Any] = {}  # their SamplingParams (V2's runner keeps none)
@@ -148,6 +150,7 @@ class Interleaver:
     def install_edit(self, edit_id: str, name: str | None, raw: str) -> None:
         """An engine-wide edit: from the next admitted request on, every request runs it."""
         env = codec.parse_envelope(raw)
+        guards.refuse_integer_writes(env, self.integer_inputs)
         self.edits[edit_id] = (name, env)
 
     def clear_edits(self, edit_ids: list[str] | None = None) -> int:
@@ -160,11 +163,17 @@ class Interleaver:
         the engine's device, so ``output += v`` works wherever the client ran."""
         return map_tensors(value, lambda t: t.to(self.device) if t.device != self.device else t)
 
+    @functools.cached_property
+    def integer_inputs(self) -> frozenset[str]:
+        """Module paths whose input is an index tensor (see :mod:`.guards`)."""
+        return frozenset(guards.table(self.model)["integer_inputs"])
+
     def _admit_spec(self, session: RequestSession, env: dict[str, Any], batch_index: int | None) -> None:
         from functools import partial
 
         from .spec_runner import run_spec
 
+        guards.refuse_integer_writes(env, self.integer_inputs)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
         if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
             self.batched.add(session, env, batch_index)
@@ -619,6 +628,28 @@ class Interleaver:
         """Whether a block made ``t`` itself (no storage vLLM served), so saving it
         needs no copy."""
         return self._served is not None and t.untyped_storage().data_ptr() not in self._served
+
+    def guard_logits(self, logits: torch.Tensor) -> None:
+        """Traced requests' logits rows made finite before sampling; a request whose
+        rows were not fails (see :mod:`.isolation`). On a GPU the check is read a step
+        later, or at once in a request's last step by ``max_tokens``."""
+        layout = self.layout
+        if not self.sessions and not self.finite.waiting:
+            return
+        steps, last = {}, False
+        for req_id in layout.rows:
+            blocks = self.sessions.get(req_id)
+            if blocks:
+                steps[req_id] = step = blocks[0].step
+                limit = getattr(self.params.get(req_id), "max_tokens", None)
+                last = last or (limit is not None and step + 1 >= limit)
+        found = self.finite.check(logits, layout.rows, steps)
+        if last:
+            found += self.finite.collect()
+        for req_id, step in found:
+            self.fail_request(req_id, f"the logits held NaN or inf at step {step}: an edit made this request's "
+                                      "activations overflow or become NaN, so it ends here (its KV cache blocks "
+                                      "are zeroed before any other request gets them)")
 
     def keep_logits(self, logits: torch.Tensor) -> None:
         """Keep the logits rows of requests with a block (the sampler edits logits in

@@ -40,7 +40,7 @@ _sites: dict[str, list[PartLane | None]] = {}  # tap site -> a lane per tensor o
 _not_in_graphs: set[str] = set()  # sites captured into a full graph before their lanes existed
 _failed: set[str] = set()  # sites whose lane kernels raised this step
 STATS = {"lane": 0, "python": 0}  # location-steps of batched specs served by lanes / by Python
-logger = logging.getLogger("vllm_nnsight_plugin")
+logger = logging.getLogger("vllm.nnsight_plugin")
 
 
 def enable(rows: int) -> None:

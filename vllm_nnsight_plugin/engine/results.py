@@ -20,7 +20,7 @@ from typing import Any
 from ..payload import codec
 from . import compat
 
-logger = logging.getLogger("vllm_nnsight_plugin")
+logger = logging.getLogger("vllm.nnsight_plugin")
 
 _STORE = "_nnsight_results"
 _HALTING = "_nnsight_halting"  # ids whose block failed or stopped: their requests stop

@@ -16,6 +16,14 @@ def nnsight_module_tree(self: Any) -> list[list[str]]:
     return [[name, type(module).__name__] for name, module in model.named_modules()]
 
 
+def nnsight_module_table(self: Any) -> dict[str, Any]:
+    """What the front end checks specs against before they reach the engine (see
+    :func:`.guards.table`)."""
+    from .guards import table
+
+    return table(self.model_runner.get_model())
+
+
 def nnsight_probe(self: Any) -> dict[str, Any]:
     """Proof that the plugin is live in this worker process."""
     from . import compat
@@ -88,7 +96,7 @@ def install_engine_core(engine_core_cls: type) -> None:
 
 
 def install(worker_cls: type) -> None:
-    for fn in (nnsight_module_tree, nnsight_probe, nnsight_stats, nnsight_lane_stats, nnsight_install_edit,
-               nnsight_clear_edits):
+    for fn in (nnsight_module_tree, nnsight_module_table, nnsight_probe, nnsight_stats, nnsight_lane_stats,
+               nnsight_install_edit, nnsight_clear_edits):
         if fn.__name__ not in worker_cls.__dict__:
             setattr(worker_cls, fn.__name__, fn)

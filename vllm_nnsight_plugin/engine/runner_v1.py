@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..payload import codec
-from . import compat, taps
+from . import compat, isolation, taps
 from .interleave import Interleaver
 from .rows import StepLayout
 
-logger = logging.getLogger("vllm_nnsight_plugin")
+logger = logging.getLogger("vllm.nnsight_plugin")
 
 _ATTR = "_nnsight_interleaver"
 _SO = "_nnsight_scheduler_output"
@@ -49,6 +49,7 @@ def _wrap_compute_logits(model: Any, inter: Interleaver) -> None:
             layout.logits_seen = True
             if inter.waiters.get(("logits",)):
                 inter.serve(("logits",), logits, row_based=True)
+            inter.guard_logits(logits)
             inter.keep_logits(logits)
         return logits
 
@@ -82,6 +83,7 @@ def close_step(inter: Interleaver, runner_output: Any, finishing: set[str]) -> N
 
 def _execute_model(original: Callable) -> Callable:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        isolation.zero_reused_blocks(self, scheduler_output)
         if admit_step(self, scheduler_output, compat.resumed_ids(scheduler_output)) is None:
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import compat, taps
+from . import compat, isolation, taps
 from .rows import StepLayout
 from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
 
@@ -31,6 +31,7 @@ def _execute_model(original: Callable) -> Callable:
         global _graph_mode
         if kwargs.get("dummy_run"):
             return original(self, scheduler_output, *args, **kwargs)
+        isolation.zero_reused_blocks(self, scheduler_output)
         # V2 drops a preempted request's state and later re-sends it as new
         if admit_step(self, scheduler_output, compat.preempted_ids(scheduler_output)) is None:
             return original(self, scheduler_output, *args, **kwargs)

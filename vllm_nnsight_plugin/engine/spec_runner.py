@@ -14,6 +14,7 @@ import torch
 
 from ..payload import spec as specmod
 from ..payload import values as tagged
+from .guards import check_writable
 
 if TYPE_CHECKING:
     from .interleave import Interleaver
@@ -25,6 +26,8 @@ def _tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
         t = tagged.decode_tensor(value["$tensor"])
     else:
         t = torch.as_tensor(value, dtype=torch.float32)
+    if not torch.isfinite(t).all():  # base64 bytes can hold what JSON numbers cannot
+        raise ValueError("the value holds NaN or inf")
     return t.to(dtype=like.dtype, device=like.device)
 
 
@@ -85,6 +88,7 @@ def _apply(inter: Interleaver, session: RequestSession, op: dict[str, Any], out:
         return
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op['module']}.{op.get('io', 'output')} is a {type(value).__name__}: set 'index'")
+    check_writable(value, f"{op['module']}.{op.get('io', 'output')}")
     rows = _rows(value, op.get("positions"))
     target = value if rows is None else value[rows]
     if kind == "add":

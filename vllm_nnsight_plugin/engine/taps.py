@@ -50,7 +50,7 @@ def _tap(xs: list[torch.Tensor], site: str) -> None:
         try:
             _handler(site, xs)
         except Exception:  # noqa: BLE001 - never break vLLM's forward; parked blocks then fail as unreached
-            logging.getLogger("vllm_nnsight_plugin").exception("tap %s failed", site)
+            logging.getLogger("vllm.nnsight_plugin").exception("tap %s failed", site)
 
 
 def _tap_fake(xs: list[torch.Tensor], site: str) -> None:
@@ -138,7 +138,7 @@ def on_model_loaded(runner: Any) -> None:
     the tap op into the model and make vLLM split its graph there."""
     from . import compat
 
-    log = logging.getLogger("vllm_nnsight_plugin")
+    log = logging.getLogger("vllm.nnsight_plugin")
     config = runner.vllm_config
     tapset = from_settings(compat.additional_config(config))
     if not tapset or compat.runs_eager(config):

@@ -12,17 +12,19 @@ Requests without a payload take the original code path untouched.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..engine import compat
-from ..engine.frontend import check_payload
+from ..engine.frontend import check_payload, ensure_module_table
 from ..payload import codec
 from ..payload import values as tagged
 
-logger = logging.getLogger("vllm_nnsight_plugin")
+logger = logging.getLogger("vllm.nnsight_plugin")
+LARGE_PAYLOAD = 64 * 1024
 
 
 def _payload(request: Any) -> Any:
@@ -47,6 +49,9 @@ def _reject(serving: Any, request: Any, raw: Any) -> Any:
         check_payload(raw, request, compat.serving_vllm_config(serving))
     except codec.PayloadError as exc:
         return serving.create_error_response(str(exc))
+    except Exception as exc:  # noqa: BLE001 - any other failure to check a payload is still the payload's
+        logger.warning("refused a payload from http: %s: %s", type(exc).__name__, str(exc)[:500])
+        return serving.create_error_response(f"invalid payload: {type(exc).__name__}: {exc}")
     return None
 
 
@@ -97,7 +102,12 @@ def _create(original: Callable) -> Callable:
     async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         raw = _payload(request)
         if raw is not None or compat.EDITS_KEY in (getattr(request, "vllm_xargs", None) or {}):
-            error = _reject(self, request, raw)
+            if raw is not None:
+                await ensure_module_table(getattr(self, "engine_client", None))
+            if isinstance(raw, str) and len(raw) > LARGE_PAYLOAD:  # a thread: the event loop may run
+                error = await asyncio.to_thread(_reject, self, request, raw)
+            else:
+                error = _reject(self, request, raw)
             if error is not None:
                 return error
         return await original(self, request, *args, **kwargs)

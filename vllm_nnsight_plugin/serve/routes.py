@@ -11,11 +11,16 @@ Added by wrapping the app builder's endpoint-plugin step, so a plain
 
 # no "from __future__ import annotations": FastAPI reads these handler annotations at runtime
 
+import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from ..engine import compat
 from ..payload.tapset import from_settings
+from .handlers import LARGE_PAYLOAD
+
+logger = logging.getLogger("vllm.nnsight_plugin")
 
 
 def add_routes(app: Any) -> None:
@@ -47,18 +52,28 @@ def add_routes(app: Any) -> None:
         import uuid
 
         from ..engine import edits
-        from ..engine.frontend import check_payload
+        from ..engine.frontend import check_payload, ensure_module_table
         from ..payload import codec
 
         try:
             body = await raw_request.json()
+            if not isinstance(body, dict):
+                raise codec.PayloadError("the body must be a JSON object {\"payload\": ..., \"name\": ...}")
             payload, name = body.get("payload"), body.get("name")
             if name is not None and not isinstance(name, str):
                 raise codec.PayloadError("'name' must be a string or null")
+            await ensure_module_table(raw_request.app.state.engine_client)
             # the same checks as a traced request's payload (policy, runner, compiled engine)
-            check_payload(payload, None, getattr(raw_request.app.state, "vllm_config", None))
-        except (ValueError, AttributeError) as exc:
-            return JSONResponse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}},
+            config = getattr(raw_request.app.state, "vllm_config", None)
+            if isinstance(payload, str) and len(payload) > LARGE_PAYLOAD:  # a thread: the event loop may run
+                await asyncio.to_thread(check_payload, payload, None, config)
+            else:
+                check_payload(payload, None, config)
+        except Exception as exc:  # noqa: BLE001 - whatever is wrong with the body is the client's
+            if not isinstance(exc, codec.PayloadError):
+                logger.warning("refused an edit from http: %s: %s", type(exc).__name__, str(exc)[:500])
+            message = str(exc) if isinstance(exc, codec.PayloadError) else f"invalid body: {type(exc).__name__}: {exc}"
+            return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}},
                                 status_code=400)
         edit_id = f"edit-{uuid.uuid4().hex[:12]}"
         edits.add(edit_id, name)  # before the RPC: no request slips past un-salted

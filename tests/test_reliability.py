@@ -1,0 +1,176 @@
+"""Hostile and careless input against a real engine: edits of index tensors are
+refused before any kernel sees them, non-finite values end only the request that
+made them and leave nothing another request reads, malformed payloads are refused
+with the reason, and the schema and the validator agree."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from vllm import SamplingParams
+
+from vllm_nnsight_plugin import InterventionError, results
+from vllm_nnsight_plugin.engine import frontend
+from vllm_nnsight_plugin.payload import codec, spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+PROMPTS = ["The Eiffel Tower is in", "The capital of Japan is", " ".join(["One two three four five."] * 12)]
+
+
+def _spec(*ops: dict) -> str:
+    return json.dumps({"v": 1, "kind": "spec", "ops": list(ops)})
+
+
+def _plain(max_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+
+
+def _tokens_and_logprobs(output):
+    comp = output.outputs[0]
+    return list(comp.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in comp.logprobs]
+
+
+INTEGER_EDITS = [
+    {"op": "scale", "module": "model.layers.0", "io": "input", "factor": 1e6},
+    {"op": "add", "module": "model.layers.0.self_attn", "io": "input", "value": 100000},
+    {"op": "set", "module": "model.layers.0.self_attn.rotary_emb", "io": "input", "value": 5},
+    {"op": "set", "module": "model.embed_tokens", "io": "input", "value": 100000},
+    {"op": "set", "module": "model.embed_tokens", "io": "input", "value": -5},
+    {"op": "zero", "module": "model.layers.1", "io": "input", "steps": "all"},
+]
+
+
+@pytest.mark.parametrize("op", INTEGER_EDITS, ids=lambda op: f"{op['op']}-{op['module']}")
+def test_edits_of_index_tensors_are_refused_up_front(llama, op):
+    llm = llama.vllm_entrypoint  # the VLLM client learned the engine's module table at dispatch
+    with pytest.raises(codec.PayloadError, match="integer tensor"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=2, extra_args={"nnsight": _spec(op)}), use_tqdm=False)
+
+
+def test_without_the_table_the_worker_refuses_them_and_others_go_on(llama, monkeypatch):
+    """A raw vllm.LLM front end has not asked the engine for its table: the worker
+    refuses the request at admission, before any forward, and the batch goes on."""
+    monkeypatch.setattr(frontend, "INTEGER_INPUTS", None)
+    llm = llama.vllm_entrypoint
+    reference = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
+    for op in INTEGER_EDITS:
+        outs = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=4, extra_args={"nnsight": _spec(op)}), _plain()],
+                            use_tqdm=False)
+        with pytest.raises(InterventionError, match="integer tensor"):
+            results(outs[0])
+        assert _tokens_and_logprobs(outs[1]) == _tokens_and_logprobs(reference[1])
+
+
+def test_a_write_to_an_integer_tensor_is_refused_at_the_write():
+    """What the table does not name is caught by the dtype check every spec write
+    makes before it changes anything."""
+    import torch
+
+    from vllm_nnsight_plugin.engine.guards import check_writable
+
+    with pytest.raises(TypeError, match="integer tensor"):
+        check_writable(torch.arange(4), "model.layers.0.input")
+    check_writable(torch.zeros(4), "model.layers.0.output")
+
+
+# (hidden + residual) overflows to inf at layer 2's fused add-norm: NaN from there on
+OVERFLOW = [[{"op": "add", "module": "model.layers.1", "index": i, "value": [3e38] * 128, "steps": "all"}
+             for i in (0, 1)],
+            [{"op": "scale", "module": "model.layers.1", "index": i, "factor": 3e38, "steps": "all"}
+             for i in (0, 1)]]
+
+
+@pytest.mark.parametrize("ops", OVERFLOW, ids=["add", "scale"])
+def test_non_finite_values_end_their_request_and_poison_nothing(llama, ops):
+    llm = llama.vllm_entrypoint
+    reference = llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False)
+    traced = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True,
+                            extra_args={"nnsight": _spec(*ops)})
+    outs = llm.generate(PROMPTS + PROMPTS[:1], [traced] * 3 + [_plain()], use_tqdm=False)
+    for out in outs[:3]:
+        with pytest.raises(InterventionError, match="NaN or inf"):
+            results(out)
+        assert out.outputs[0].stop_reason == "nnsight_error"
+    assert _tokens_and_logprobs(outs[3]) == _tokens_and_logprobs(reference[0])  # the same batch
+    for _ in range(2):  # later requests get the freed blocks: never a stale NaN in them
+        again = llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False)
+        assert [_tokens_and_logprobs(o) for o in again] == [_tokens_and_logprobs(o) for o in reference]
+
+
+# ----------------------------------------------------------------- the validator
+
+
+def test_malformed_json_is_refused_with_the_reason():
+    cases = {
+        '{"v": 1, "kind": "spec", "ops": [{"op": "scale", "module": "m", "factor": NaN}]}': "NaN is not a JSON",
+        '{"v": 1, "kind": "spec", "ops": [{"op": "scale", "module": "m", "factor": Infinity}]}': "Infinity",
+        '{"v": 1, "kind": "spec", "ops": [{"op": "scale", "module": "m", "factor": 1e400}]}': "not a finite",
+        '{"v": true, "kind": "spec", "ops": [{"op": "zero", "module": "m"}]}': "'v' must be 1",
+        '{"v": 1, "kind": "spec", "ops": [{"op": "zero", "module": "m\\n"}]}': "ops\\[0\\].module",
+        "[" * 1000: "nested too deeply",
+        "[" * 100_000: "nested too deeply|over the limit",
+        '{"a":' * 5000 + "1" + "}" * 5000: "nested too deeply",
+    }
+    for text, match in cases.items():
+        with pytest.raises(codec.PayloadError, match=match):
+            codec.parse_envelope(text)
+
+
+def test_a_value_wider_than_the_model_is_refused_before_its_numbers_are_read():
+    text = _spec({"op": "add", "module": "model.layers.0", "value": [0.5] * 200_000})
+    with pytest.raises(codec.PayloadError, match="wider than 4096"):
+        codec.parse_envelope(text, max_width=4096)
+    huge = json.dumps({"v": 1, "kind": "spec", "ops": [{"op": "add", "module": "m", "value": [0.5] * 300_000}]})
+    with pytest.raises(codec.PayloadError, match="JSON values, over the limit"):
+        codec.parse_envelope(huge)
+
+
+def test_the_validator_and_the_published_schema_agree():
+    """Every generated payload without a server-only rule (a model's width, the JSON
+    value budget, sum with index, duplicate names) is accepted by both or by neither."""
+    from fuzz_payloads import payloads
+    from jsonschema import Draft202012Validator
+
+    validator = Draft202012Validator(spec.schema())
+    checked = 0
+    for category, item in payloads(seed=7, n=1500, hidden=64, layers=4):
+        item = item.get("nnsight") if isinstance(item, dict) and not category.startswith("edits:") else None
+        if not isinstance(item, str):
+            continue
+        try:
+            env = json.loads(item, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(env, dict) or env.get("kind") != "spec" or "e400" in item:
+            continue  # (numbers beyond the float range: a server-only rule, in the schema's text)
+        ops = env.get("ops") if isinstance(env.get("ops"), list) else []
+        if any(isinstance(op, dict) and op.get("sum") and op.get("index") is not None for op in ops):
+            continue
+        names = [op.get("name") for op in ops if isinstance(op, dict) and "name" in op]
+        if len(names) != len(set(map(repr, names))):
+            continue
+        schema_ok = validator.is_valid(env)
+        try:
+            codec._parse(item, None)
+            ours = True
+        except codec.PayloadError:
+            ours = False
+        assert ours == schema_ok, item[:300]
+        checked += 1
+    assert checked > 300
+
+
+def test_random_bytes_never_raise_anything_but_a_payload_error():
+    rng = random.Random(3)
+    alphabet = '{}[]":,0123456789.eE-+ntrufalsNI\\ abc\n'
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200)))
+        try:
+            codec.parse_envelope(text)
+        except codec.PayloadError:
+            pass

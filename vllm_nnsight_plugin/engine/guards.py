@@ -1,0 +1,73 @@
+"""What a declarative edit may write: floating-point activations, never indices.
+
+vLLM indexes with some of the values a module receives (token ids into the
+embedding table, positions into the rotary cache). An edit of those drives a
+kernel out of bounds: a segfault on CPU, a device-side assert on a GPU, either way
+the engine for everyone. So spec and JSON-edit writes to integer-valued tensors are
+refused, in two places that use one rule:
+
+- up front, from the model's module table (:func:`table`, built in the worker from
+  each module's ``forward`` signature and sent to the front end over RPC): HTTP 400,
+  or a per-request error before the request touches the engine;
+- at the write itself (:func:`check_writable`), for whatever the table does not
+  know: the tensor's dtype is checked before anything is changed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ..payload.codec import PayloadError
+from ..payload.spec import WRITES
+
+# first-argument names vLLM's models give integer inputs (ids, positions, indices)
+INTEGER_NAMES = ("input_ids", "ids", "positions", "position_ids", "token_type_ids", "input_positions",
+                 "indices", "index", "slot_mapping")
+
+
+def first_input_is_integer(module: torch.nn.Module) -> bool:
+    """Whether the module's first positional argument (what ``.input`` is) is an index
+    tensor: an embedding's ids, or an argument named like one (``positions``)."""
+    if isinstance(module, torch.nn.Embedding) or hasattr(module, "num_embeddings"):
+        return True
+    # a custom op's forward(*args) dispatches to per-platform methods named forward_*
+    methods = [getattr(type(module), "forward", None)] + \
+        [getattr(type(module), name) for name in dir(type(module)) if name.startswith("forward_")]
+    for method in methods:
+        try:
+            params = list(inspect.signature(method).parameters.values())[1:]
+        except (TypeError, ValueError):
+            continue
+        first = next((p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
+        if first is not None and (first.name in INTEGER_NAMES or first.name.endswith(("_ids", "_indices"))):
+            return True
+    return False
+
+
+def table(model: torch.nn.Module) -> dict[str, Any]:
+    """The module table the front end checks specs with: the paths whose input is an
+    index tensor (msgpack-native, for vLLM's RPC)."""
+    return {"integer_inputs": sorted(path for path, m in model.named_modules() if first_input_is_integer(m))}
+
+
+def refuse_integer_writes(env: dict[str, Any], integer_inputs: Any) -> None:
+    """Raise :class:`PayloadError` for a spec op that writes a module input the table
+    names as an index tensor."""
+    if env.get("kind") != "spec":
+        return
+    for i, op in enumerate(env["ops"]):
+        if op["op"] in WRITES and op.get("io") == "input" and op["module"] in integer_inputs:
+            raise PayloadError(
+                f"invalid spec at ops[{i}]: {op['module']}.input is an integer tensor (token ids or "
+                f"positions) that vLLM indexes with; edits of it are refused (edit a floating-point "
+                f"activation instead, e.g. an output)")
+
+
+def check_writable(value: torch.Tensor, where: str) -> None:
+    """Refuse a write to an integer-valued tensor, before anything is changed."""
+    if not value.is_floating_point():
+        raise TypeError(f"{where} is an integer tensor ({value.dtype}: token ids, positions or indices "
+                        "that vLLM indexes with); edits of it are refused")

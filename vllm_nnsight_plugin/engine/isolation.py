@@ -1,0 +1,158 @@
+"""No traced request leaves state that another request reads.
+
+Two holes, both closed here:
+
+- **KV blocks.** An edit can put NaN or inf into a request's KV cache. When its
+  blocks return to the pool and are handed to another request, the new owner
+  writes only the slots it uses; an attention kernel that masks the rest by
+  multiplying with a zero probability still reads them, and 0 x NaN is NaN. So the
+  scheduler remembers the blocks of every traced request (a request whose cache
+  salt is the plugin's) when it frees them, and when the block pool hands such a
+  block out again, the worker zeroes it before the step that uses it (with vLLM's
+  own block zeroer where the runner has one). Blocks still in the prefix cache are
+  only ever hit by requests with the same salt, and they are not zeroed while
+  cached: zeroing happens only on a fresh allocation.
+- **Non-finite logits.** A traced request whose logits hold NaN or inf ends with a
+  per-request error naming the step. Its rows are made finite before sampling (a
+  sampler fed NaN can fail for the whole batch); the check itself is read one step
+  later, so it adds no device sync to the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import compat
+
+DIRTY = "_nnsight_dirty_blocks"  # on the block pool: ids freed by traced requests
+PENDING = "_nnsight_blocks_to_zero"  # on the block pool: dirty ids handed out again, to zero
+ZERO_ATTR = "nnsight_zero_blocks"  # on a SchedulerOutput: ids the worker zeroes before the step
+SALT_PREFIX = "nnsight-"
+
+
+def traced(request: Any) -> bool:
+    """A request the plugin traced (the front end salts every one of them)."""
+    salt = getattr(request, "cache_salt", None)
+    return isinstance(salt, str) and salt.startswith(SALT_PREFIX)
+
+
+# ----------------------------------------------------------- scheduler (EngineCore)
+
+
+def _remember(manager: Any, request: Any) -> None:
+    if not traced(request):
+        return
+    try:
+        groups = manager.get_block_ids(request.request_id)
+    except Exception:  # noqa: BLE001 - a request with no blocks (yet)
+        return
+    pool = manager.block_pool
+    dirty = pool.__dict__.setdefault(DIRTY, set())
+    for ids in groups:
+        dirty.update(ids)
+
+
+def _freeing(original: Callable) -> Callable:
+    def free(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        _remember(self, request)
+        return original(self, request, *args, **kwargs)
+
+    return free
+
+
+def _get_new_blocks(original: Callable) -> Callable:
+    def get_new_blocks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks = original(self, *args, **kwargs)
+        dirty = self.__dict__.get(DIRTY)
+        if dirty:
+            pending = self.__dict__.setdefault(PENDING, [])
+            for block in blocks:
+                if block.block_id in dirty:
+                    dirty.discard(block.block_id)
+                    pending.append(block.block_id)
+        return blocks
+
+    return get_new_blocks
+
+
+def _schedule(original: Callable) -> Callable:
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original(self, *args, **kwargs)
+        pool = compat.scheduler_block_pool(self)
+        pending = pool.__dict__.get(PENDING) if pool is not None else None
+        if pending:
+            setattr(output, ZERO_ATTR, list(pending))
+            pending.clear()
+        return output
+
+    return schedule
+
+
+def install_scheduler(scheduler_cls: type) -> None:
+    compat.patch_method(scheduler_cls, "schedule", _schedule)
+
+
+def install_kv_manager(manager_cls: type) -> None:
+    for name in compat.KV_MANAGER_FREES:
+        if hasattr(manager_cls, name):
+            compat.patch_method(manager_cls, name, _freeing)
+
+
+def install_block_pool(pool_cls: type) -> None:
+    compat.patch_method(pool_cls, "get_new_blocks", _get_new_blocks)
+
+
+# ----------------------------------------------------------------- worker
+
+
+def zero_reused_blocks(runner: Any, scheduler_output: Any) -> None:
+    """Before a step: zero the blocks traced requests held that are now handed out again."""
+    ids = getattr(scheduler_output, ZERO_ATTR, None)
+    if ids:
+        compat.zero_kv_blocks(runner, ids)
+
+
+class FiniteLogits:
+    """Per step: traced rows of the logits made finite, and which were not, read a
+    step later (a device-to-host copy that does not stall the step)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list[str], list[int], torch.Tensor, Any] | None = None
+
+    def check(self, logits: torch.Tensor, rows: dict[str, int], steps: dict[str, int]) -> list[tuple[str, int]]:
+        """Make the rows of the requests in ``steps`` (request -> its step) finite;
+        return ``(request, step)`` for the last checked step's rows that were not."""
+        found = self.collect()
+        if not steps:
+            return found
+        req_ids = list(steps)
+        index = torch.tensor([rows[r] for r in req_ids], device=logits.device)
+        part = logits.index_select(0, index)
+        finite = torch.isfinite(part).all(dim=-1)
+        logits.index_copy_(0, index, torch.nan_to_num(part))
+        event = None
+        if finite.device.type == "cuda":
+            host = torch.empty(finite.shape, dtype=finite.dtype, pin_memory=True)
+            host.copy_(finite, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            finite = host
+        self._last = (req_ids, [steps[r] for r in req_ids], finite, event)
+        return found + (self.collect() if event is None else [])  # on the CPU: at once
+
+    @property
+    def waiting(self) -> bool:
+        return self._last is not None
+
+    def collect(self) -> list[tuple[str, int]]:
+        """``(request, step)`` whose rows were non-finite in the last checked step."""
+        last, self._last = self._last, None
+        if last is None:
+            return []
+        req_ids, steps, finite, event = last
+        if event is not None:
+            event.synchronize()
+        return [(r, s) for r, s, ok in zip(req_ids, steps, finite.tolist()) if not ok]
