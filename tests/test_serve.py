@@ -101,9 +101,13 @@ def _stop(server: Server) -> None:
         server.proc.kill()
 
 
+CODE_TIME_LIMIT_S = 15
+
+
 @pytest.fixture(scope="module")
 def code_server(llama_path, tmp_path_factory):
-    server = _start(llama_path, True, tmp_path_factory)
+    limit = {"nnsight": {"code_time_limit_s": CODE_TIME_LIMIT_S, "max_saved_bytes": 200_000_000}}
+    server = _start(llama_path, True, tmp_path_factory, ["--additional-config", json.dumps(limit)])
     yield server
     _stop(server)
 
@@ -669,3 +673,74 @@ def test_spec_edit_without_code_opt_in_and_its_saves_in_plain_responses(spec_ser
         urllib.request.urlopen(req, timeout=60)
     status, out = spec_server.post("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 1})
     assert out.get("kv_transfer_params") is None
+
+
+def _forever(model, tracer):
+    while True:
+        pass
+
+
+def _sleeps(model, tracer):
+    import time
+
+    time.sleep(600)
+
+
+def _swallows(model, tracer):
+    while True:
+        try:
+            while True:
+                pass
+        except Exception:  # noqa: BLE001 - a block that tries to catch the limit's exception
+            pass
+
+
+@pytest.mark.parametrize("block", [_forever, _sleeps, _swallows], ids=["loop", "sleep", "except-Exception"])
+def test_a_runaway_code_block_ends_with_a_timeout_and_the_engine_serves_on(code_server, block):
+    """A block past the server's time limit (15 s here) ends its request with a
+    TimeoutError at its line; a plain request sent while it runs is answered."""
+    answers: dict[str, tuple[int, dict]] = {}
+
+    def traced() -> None:
+        answers["traced"] = code_server.post("/v1/completions", {
+            "model": "tiny", "prompt": "Hello", "max_tokens": 2,
+            "vllm_xargs": {"nnsight": make_payload(block)}})
+
+    thread = threading.Thread(target=traced)
+    thread.start()
+    time.sleep(1.0)
+    status, plain = code_server.post("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+    thread.join(timeout=120)
+    assert status == 200 and plain["choices"][0]["text"] is not None
+    status, body = answers["traced"]
+    assert status == 200, body
+    error = body["kv_transfer_params"]["nnsight"]["error"]
+    assert error["type"] == "TimeoutError" and "code_time_limit_s" in error["message"], error
+    assert body["choices"][0]["stop_reason"] == "nnsight_error"
+    assert code_server.health() == 200
+
+
+def _tree_rss(pid: int) -> int:
+    import psutil
+
+    proc = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+
+
+def _big_save(model, tracer):
+    import torch
+
+    big = torch.ones(62_500_000).save()  # noqa: F841 - 250 MB, over the server's 200 MB limit
+    for _ in range(2):
+        tmp = torch.ones(50_000_000)  # noqa: F841 - 200 MB temporaries
+    hidden = model.model.layers[0].output[0].save()  # noqa: F841
+
+
+def test_memory_comes_back_after_large_saves_and_temporaries(code_server):
+    before = _tree_rss(code_server.proc.pid)
+    for _ in range(3):
+        status, body = code_server.post("/v1/completions", {
+            "model": "tiny", "prompt": "Hello", "max_tokens": 1, "vllm_xargs": {"nnsight": make_payload(_big_save)}})
+        assert status == 200, body
+        assert "over this server's limits" in body["kv_transfer_params"]["nnsight"]["error"]["message"]
+    assert _tree_rss(code_server.proc.pid) - before < 300 << 20

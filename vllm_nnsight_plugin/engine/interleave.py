@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..payload import codec
-from . import batched, compat, guards, host, isolation, lanes, lower, taps
+from . import batched, budget, compat, guards, host, isolation, lanes, lower, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
@@ -37,6 +37,8 @@ class Interleaver:
         self.eager = compat.runs_eager(vllm_config)
         settings = compat.additional_config(vllm_config)
         self.limits = limits(settings)
+        self.watchdog = budget.Watchdog(budget.time_limit(settings))
+        self.trimmer = budget.Trimmer()
         self.taps = taps.from_settings(settings)
         # (path, kind) pairs the tap op serves in this (compiled) model (taps.on_model_loaded)
         self.tapped: set[tuple[str, str]] = set(tap_sites)
@@ -227,11 +229,12 @@ class Interleaver:
     def finish(self, req_ids: set[str] | list[str]) -> None:
         if any(r in self.traced or r in self.sessions for r in req_ids):
             self._epoch += 1  # (an untraced request's end leaves the steady batch as it was)
+        coded = any(r in self.coded for r in req_ids)
         for req_id in req_ids:
             for session in self.sessions.pop(req_id, ()):
                 self._unwait(session)
                 session.ended = True  # batched edits drop it on the next prune
-                session.close()
+                session.release()
             self.results.pop(req_id, None)
             self._unshipped.pop(req_id, None)
             self.traced.discard(req_id)
@@ -241,6 +244,8 @@ class Interleaver:
             self.params.pop(req_id, None)
             self.report_every_step.discard(req_id)
             self._reported.pop(req_id, None)
+        if coded:
+            self.trimmer.after_requests()
 
     def fail_request(self, req_id: str, message: str) -> None:
         blocks = [s for s in self.sessions.get(req_id, ()) if s.active]
@@ -378,7 +383,7 @@ class Interleaver:
             if not any(s.active for s in blocks):  # results shipped: no more per-step work
                 for session in blocks:
                     self._unwait(session)
-                    session.close()
+                    session.release()
                 del self.sessions[req_id]
                 self._epoch += 1
                 self.coded.discard(req_id)

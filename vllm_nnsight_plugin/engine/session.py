@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import greenlet
 import torch
 
+from .budget import BlockTimeout
 from .host import host_copy
 from .rowlog import RowLog
 from .tree import leaves, map_tensors
@@ -150,6 +151,7 @@ class RequestSession:
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _on_device: bool = True  # the last off_host walk found a device tensor (to_host maps it)
     _glet: greenlet.greenlet | None = None
+    code_time: float = 0.0  # seconds its block has run (budget.Watchdog)
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -165,6 +167,8 @@ class RequestSession:
     def fail(self, exc: BaseException | str, lineno: int | None = None) -> None:
         if self.error is not None:
             return
+        if isinstance(exc, BlockTimeout):  # reported as what it is to the user
+            exc = TimeoutError(str(exc)).with_traceback(exc.__traceback__)
         if isinstance(exc, str):
             if self.lowered is not None and lineno is None:  # a lowered block: its op's line
                 exc, lineno = self.lowered.relabel(exc)
@@ -205,6 +209,15 @@ class RequestSession:
         lines = self.source.splitlines()
         idx = lineno - self.lineno
         return lines[idx].strip() if 0 <= idx < len(lines) else ""
+
+    def release(self) -> None:
+        """The block is over and its results are recorded (``last``, until shipped):
+        drop what it made or saved. Its namespace refers back to this session, so
+        without this only a garbage collection would free the tensors in it."""
+        self.close()
+        self.namespace.clear()
+        self._saved.clear()
+        self._cpu.clear()
 
     def close(self) -> None:
         """Drop the greenlet (and the frames and tensors it holds)."""
@@ -253,9 +266,11 @@ class RequestSession:
     def _switch(self, value: Any) -> None:
         inter = self.interleaver
         previous, inter.current = inter.current, self
+        inter.watchdog.enter(self)
         try:
             self._glet.switch(value)
         finally:
+            inter.watchdog.leave(self)
             inter.current = previous
 
     # ------------------------------------------------------------ block side
