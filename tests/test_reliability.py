@@ -5,8 +5,10 @@ with the reason, and the schema and the validator agree."""
 
 from __future__ import annotations
 
+import base64
 import json
 import random
+import struct
 import sys
 from pathlib import Path
 
@@ -39,6 +41,7 @@ INTEGER_EDITS = [
     {"op": "scale", "module": "model.layers.0", "io": "input", "factor": 1e6},
     {"op": "add", "module": "model.layers.0.self_attn", "io": "input", "value": 100000},
     {"op": "set", "module": "model.layers.0.self_attn.rotary_emb", "io": "input", "value": 5},
+    {"op": "set", "module": "model.layers.3.self_attn.rotary_emb", "io": "input", "value": 5},  # the same module
     {"op": "set", "module": "model.embed_tokens", "io": "input", "value": 100000},
     {"op": "set", "module": "model.embed_tokens", "io": "input", "value": -5},
     {"op": "zero", "module": "model.layers.1", "io": "input", "steps": "all"},
@@ -55,7 +58,7 @@ def test_edits_of_index_tensors_are_refused_up_front(llama, op):
 def test_without_the_table_the_worker_refuses_them_and_others_go_on(llama, monkeypatch):
     """A raw vllm.LLM front end has not asked the engine for its table: the worker
     refuses the request at admission, before any forward, and the batch goes on."""
-    monkeypatch.setattr(frontend, "INTEGER_INPUTS", None)
+    monkeypatch.setattr(frontend, "INTEGER_INPUTS", {})
     llm = llama.vllm_entrypoint
     reference = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
     for op in INTEGER_EDITS:
@@ -82,10 +85,14 @@ def test_a_write_to_an_integer_tensor_is_refused_at_the_write():
 OVERFLOW = [[{"op": "add", "module": "model.layers.1", "index": i, "value": [3e38] * 128, "steps": "all"}
              for i in (0, 1)],
             [{"op": "scale", "module": "model.layers.1", "index": i, "factor": 3e38, "steps": "all"}
-             for i in (0, 1)]]
+             for i in (0, 1)],
+            # NaN cannot be a JSON number, but base64 bytes can hold it
+            [{"op": "set", "module": "model.layers.0", "index": 0, "steps": "all", "value": {"$tensor": {
+                "dtype": "float32", "shape": [128],
+                "data": base64.b64encode(struct.pack("<128f", *[float("nan")] * 128)).decode()}}}]]
 
 
-@pytest.mark.parametrize("ops", OVERFLOW, ids=["add", "scale"])
+@pytest.mark.parametrize("ops", OVERFLOW, ids=["add", "scale", "base64-nan"])
 def test_non_finite_values_end_their_request_and_poison_nothing(llama, ops):
     llm = llama.vllm_entrypoint
     reference = llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False)

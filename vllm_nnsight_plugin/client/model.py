@@ -157,9 +157,10 @@ class VLLM(Envoy):
                     f"(is VLLM_NNSIGHT_DISABLE=1 set, or VLLM_PLUGINS excluding 'nnsight'?): {exc}"
                 ) from None
             object.__setattr__(self, "_tree", {path: cls for path, cls in tree})
+            from ..engine.compat import llm_config
             from ..engine.frontend import learn_module_table  # specs are checked against it up front
 
-            learn_module_table(llm.collective_rpc("nnsight_module_table")[0])
+            learn_module_table(llm_config(llm), llm.collective_rpc("nnsight_module_table")[0])
         return self
 
     def shutdown(self) -> None:

@@ -495,6 +495,16 @@ def zero_kv_blocks(runner: Any, block_ids: list[int]) -> None:
             t.index_fill_(dim, index, 0)
 
 
+def model_key(vllm_config: Any) -> str:
+    """What identifies the served model's module tree: its path or hub id."""
+    return str(getattr(getattr(vllm_config, "model_config", None), "model", ""))
+
+
+def llm_config(llm: Any) -> Any:
+    """The VllmConfig of a ``vllm.LLM``."""
+    return llm.llm_engine.vllm_config
+
+
 def model_width(vllm_config: Any) -> int | None:
     """An upper bound on the last dimension of any activation of the served model (a
     spec's longer value cannot fit anywhere): the vocabulary, the fused QKV and

@@ -33,21 +33,21 @@ def touches_modules(env: dict[str, Any]) -> bool:
     return any(isinstance(n, ast.Attribute) and n.attr in MODULE_ATTRS for n in ast.walk(tree))
 
 
-# Module paths whose input is an index tensor, from the workers (guards.table): known
-# once a server or VLLM client asked the engine (learn_module_table); until then the
-# worker refuses such edits at admission.
-INTEGER_INPUTS: frozenset[str] | None = None
+# Per served model (its path): the module paths whose input is an index tensor, from
+# the workers (guards.table), known once a server or VLLM client asked the engine
+# (learn_module_table); until then the worker refuses such edits at admission.
+INTEGER_INPUTS: dict[str, frozenset[str]] = {}
 
 
-def learn_module_table(table: dict[str, Any]) -> None:
-    global INTEGER_INPUTS
-    INTEGER_INPUTS = frozenset(table["integer_inputs"])
+def learn_module_table(vllm_config: Any, table: dict[str, Any]) -> None:
+    INTEGER_INPUTS[compat.model_key(vllm_config)] = frozenset(table["integer_inputs"])
 
 
 async def ensure_module_table(engine_client: Any) -> None:
     """Ask the engine for its module table once (an API server's first traced request)."""
-    if INTEGER_INPUTS is None and engine_client is not None:
-        learn_module_table((await engine_client.collective_rpc("nnsight_module_table"))[0])
+    config = getattr(engine_client, "vllm_config", None)
+    if config is not None and compat.model_key(config) not in INTEGER_INPUTS:
+        learn_module_table(config, (await engine_client.collective_rpc("nnsight_module_table"))[0])
 
 
 def check_payload(raw: Any, params: Any, vllm_config: Any = None) -> dict[str, Any]:
@@ -70,8 +70,9 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
         raise codec.PayloadError(reason)
     if getattr(params, "n", 1) != 1:
         raise codec.PayloadError("traced requests take n=1: run one invoke per sample instead of n>1")
-    if INTEGER_INPUTS is not None:
-        guards.refuse_integer_writes(env, INTEGER_INPUTS)
+    integer_inputs = INTEGER_INPUTS.get(compat.model_key(vllm_config)) if vllm_config is not None else None
+    if integer_inputs is not None:
+        guards.refuse_integer_writes(env, integer_inputs)
     if vllm_config is None or compat.runs_eager(vllm_config):
         return env
     tapped = taps.from_settings(compat.additional_config(vllm_config))

@@ -15,6 +15,7 @@ refused, in two places that use one rule:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -33,9 +34,13 @@ def first_input_is_integer(module: torch.nn.Module) -> bool:
     tensor: an embedding's ids, or an argument named like one (``positions``)."""
     if isinstance(module, torch.nn.Embedding) or hasattr(module, "num_embeddings"):
         return True
+    return _first_parameter_is_an_index(type(module))
+
+
+@functools.cache
+def _first_parameter_is_an_index(cls: type) -> bool:
     # a custom op's forward(*args) dispatches to per-platform methods named forward_*
-    methods = [getattr(type(module), "forward", None)] + \
-        [getattr(type(module), name) for name in dir(type(module)) if name.startswith("forward_")]
+    methods = [getattr(cls, "forward", None)] + [getattr(cls, n) for n in dir(cls) if n.startswith("forward_")]
     for method in methods:
         try:
             params = list(inspect.signature(method).parameters.values())[1:]
@@ -50,7 +55,10 @@ def first_input_is_integer(module: torch.nn.Module) -> bool:
 def table(model: torch.nn.Module) -> dict[str, Any]:
     """The module table the front end checks specs with: the paths whose input is an
     index tensor (msgpack-native, for vLLM's RPC)."""
-    return {"integer_inputs": sorted(path for path, m in model.named_modules() if first_input_is_integer(m))}
+    # every path, also a shared module's second one (vLLM's rotary embedding is one module
+    # under every layer's attention)
+    paths = model.named_modules(remove_duplicate=False)
+    return {"integer_inputs": sorted({path for path, m in paths if first_input_is_integer(m)})}
 
 
 def refuse_integer_writes(env: dict[str, Any], integer_inputs: Any) -> None:
