@@ -181,3 +181,51 @@ def test_random_bytes_never_raise_anything_but_a_payload_error():
             codec.parse_envelope(text)
         except codec.PayloadError:
             pass
+
+
+# ----------------------------------------------------------------- code blocks
+
+
+def _edit_token_ids(model, tracer):
+    model.model.embed_tokens.input[:] = 100000
+
+
+def _edit_positions(model, tracer):
+    model.model.layers[0].input[:] = 10**6
+
+
+def _assign_token_ids(model, tracer):
+    ids = model.model.embed_tokens.input
+    model.model.embed_tokens.input = ids * 0 - 5
+
+
+def _samples_out_of_range(model, tracer):
+    model.samples[:] = 10**6
+
+
+def _samples_assigned_out_of_range(model, tracer):
+    import torch
+
+    model.samples = torch.full_like(model.samples, -3)
+
+
+@pytest.mark.parametrize("block, match", [
+    (_edit_token_ids, "token ids or positions"), (_edit_positions, "token ids or positions"),
+    (_assign_token_ids, "integer tensor"), (_samples_out_of_range, "outside the vocabulary"),
+    (_samples_assigned_out_of_range, "outside the vocabulary"),
+], ids=["token-ids", "positions", "assign-token-ids", "samples", "assign-samples"])
+def test_a_code_block_cannot_write_index_tensors_and_others_go_on(llama, block, match):
+    """Blocks get token ids and positions as copies: an edit of one fails the request
+    instead of driving vLLM's embedding or rotary kernel out of bounds; a token id
+    written into model.samples must be in the vocabulary."""
+    from vllm_nnsight_plugin import make_payload
+
+    llm = llama.vllm_entrypoint
+    reference = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
+    traced = SamplingParams(temperature=0.0, max_tokens=4, extra_args={"nnsight": make_payload(block)})
+    outs = llm.generate(PROMPTS[:2], [traced, _plain()], use_tqdm=False)
+    with pytest.raises(InterventionError, match=match):
+        results(outs[0])
+    assert _tokens_and_logprobs(outs[1]) == _tokens_and_logprobs(reference[1])
+    again = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
+    assert [_tokens_and_logprobs(o) for o in again] == [_tokens_and_logprobs(o) for o in reference]

@@ -23,6 +23,7 @@ import torch
 
 from ..payload.codec import PayloadError
 from ..payload.spec import WRITES
+from .tree import map_tensors
 
 # first-argument names vLLM's models give integer inputs (ids, positions, indices)
 INTEGER_NAMES = ("input_ids", "ids", "positions", "position_ids", "token_type_ids", "input_positions",
@@ -79,3 +80,30 @@ def check_writable(value: torch.Tensor, where: str) -> None:
     if not value.is_floating_point():
         raise TypeError(f"{where} is an integer tensor ({value.dtype}: token ids, positions or indices "
                         "that vLLM indexes with); edits of it are refused")
+
+
+def copy_index_tensors(value: Any) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``value`` with its integer-valued tensors replaced by copies, and the
+    ``(copy, original)`` pairs (none for the usual all-float value: no copy made)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            return value, []
+        copy = value.clone()
+        return copy, [(copy, value)]
+    if type(value) is tuple and all(not isinstance(v, torch.Tensor) or v.is_floating_point() for v in value):
+        return value, []  # (a decoder layer's (hidden, residual): the common case, no walk)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t
+        copy = t.clone()
+        pairs.append((copy, t))
+        return copy
+
+    return map_tensors(value, swap), pairs
+
+
+def edited(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether a block changed any of the copies :func:`copy_index_tensors` gave it."""
+    return any(not torch.equal(copy, original) for copy, original in pairs)

@@ -51,6 +51,7 @@ class Interleaver:
         self.lowerings = lower.Lowerings(model, compat.model_dtype(vllm_config))  # code blocks run as specs
         self.batched = batched.BatchedEdits(self)
         self.finite = isolation.FiniteLogits()
+        self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
         self.params: dict[str, Any] = {}  # their SamplingParams (V2's runner keeps none)
@@ -639,6 +640,7 @@ class Interleaver:
         rows were not fails (see :mod:`.isolation`). On a GPU the check is read a step
         later, or at once in a request's last step by ``max_tokens``."""
         layout = self.layout
+        self.vocab = int(logits.shape[-1])
         if not self.sessions and not self.finite.waiting:
             return
         steps, last = {}, False
@@ -717,7 +719,15 @@ class Interleaver:
                 if shared:
                     raise ValueError(f"{wait.describe()} is not per-token (no row per token of the batch): it "
                                      "is shared by every request in the step and cannot be assigned per request")
+                if key != ("samples",):
+                    for t in leaves(view):
+                        if isinstance(t, torch.Tensor):
+                            guards.check_writable(t, wait.describe())
                 assign_into(view, new, wait.describe())
+
+            # index tensors (token ids, positions) reach a block as copies: an in-place edit
+            # of one would drive vLLM's kernels out of bounds, so it fails the request instead
+            given, copies = (view, ()) if row_based else guards.copy_index_tensors(view)
 
             if wait.value is not _NOTHING:
                 try:
@@ -728,5 +738,29 @@ class Interleaver:
                     continue
                 self._run(session, lambda s=session: s.resume(None))
             else:
-                serving = Serving(key, session.step, view, assign)
-                self._run(session, lambda s=session, v=view, sv=serving: s.resume(v, sv))
+                serving = Serving(key, session.step, given, assign)
+                self._run(session, lambda s=session, v=given, sv=serving: s.resume(v, sv))
+            if copies and session.error is None and guards.edited(copies):  # (also if the block ended)
+                self._unwait(session)
+                session.fail(f"{wait.describe()} holds token ids or positions that vLLM indexes with; edits "
+                             "of it are refused (the block changed its copy)")
+        if key == ("samples",) and self.vocab is not None:
+            self._check_samples(value, waiting)
+
+    def _check_samples(self, ids: torch.Tensor, sessions: list[RequestSession]) -> None:
+        """Token ids a block wrote into ``model.samples`` must be in the vocabulary (the
+        next step embeds them); out-of-range rows become 0 and their requests fail."""
+        rows = [self.layout.rows[s.req_id] for s in sessions if s.req_id in self.layout.rows]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=ids.device)
+        picked = ids.index_select(0, index)
+        bad = ((picked < 0) | (picked >= self.vocab)).reshape(len(rows), -1).any(dim=-1)
+        if not bool(bad.any()):
+            return
+        ids.index_copy_(0, index, torch.where(bad.reshape(-1, *[1] * (picked.dim() - 1)), 0, picked))
+        for session, wrong in zip([s for s in sessions if s.req_id in self.layout.rows], bad.tolist()):
+            if wrong and session.error is None:  # (also if the block ended)
+                self._unwait(session)
+                session.fail(f"model.samples was set to a token id outside the vocabulary (0..{self.vocab - 1}); "
+                             "the request ends here")
