@@ -229,3 +229,30 @@ def test_a_code_block_cannot_write_index_tensors_and_others_go_on(llama, block, 
     assert _tokens_and_logprobs(outs[1]) == _tokens_and_logprobs(reference[1])
     again = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
     assert [_tokens_and_logprobs(o) for o in again] == [_tokens_and_logprobs(o) for o in reference]
+
+
+def _makes_vllm_raise(model, tracer):
+    """Stands in for an intervention that makes one of vLLM's kernels fail: a pre-hook
+    on layer 2 (outside the plugin's hooks) that raises once, inside vLLM's forward."""
+    module = model.model.layers[2]._module
+
+    def boom(mod, args):
+        handle.remove()
+        raise RuntimeError("a kernel refused its input")
+
+    handle = module.register_forward_pre_hook(boom)
+    hidden = model.model.layers[1].output[0].save()  # noqa: F841
+
+
+def test_an_exception_inside_vllms_forward_ends_the_traced_requests_not_the_engine(llama):
+    from vllm_nnsight_plugin import make_payload
+
+    llm = llama.vllm_entrypoint
+    reference = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
+    traced = SamplingParams(temperature=0.0, max_tokens=4, extra_args={"nnsight": make_payload(_makes_vllm_raise)})
+    outs = llm.generate(PROMPTS[:2], [traced, _plain()], use_tqdm=False)
+    with pytest.raises(InterventionError, match="RuntimeError.*computed again without the interventions"):
+        results(outs[0])
+    assert _tokens_and_logprobs(outs[1]) == _tokens_and_logprobs(reference[1])
+    again = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
+    assert [_tokens_and_logprobs(o) for o in again] == [_tokens_and_logprobs(o) for o in reference]

@@ -635,6 +635,30 @@ class Interleaver:
         needs no copy."""
         return self._served is not None and t.untyped_storage().data_ptr() not in self._served
 
+    def abort_step(self, exc: BaseException) -> bool:
+        """vLLM raised inside this step's forward: end every traced request in the step
+        (any of their interventions may have caused it) so the runner can compute the
+        step again without them. False when none took part (vLLM's error stands)."""
+        layout = self.layout
+        if layout is None:
+            return False
+        victims = [r for r in layout.spans if r in self.sessions]  # (a block may have ended in the step)
+        if not victims:
+            return False
+        for parts, _, _ in self.batched.laned.values():  # (the lanes would apply the edits again)
+            for lane in parts:
+                lane.done()
+        self.batched.laned = {}
+        message = (f"vLLM raised {type(exc).__name__} in a step this request's intervention took part in "
+                   f"({str(exc)[:300]}); the step was computed again without the interventions and the "
+                   "requests that had one end here")
+        for req_id in victims:
+            for session in self.sessions[req_id]:
+                if session.error is None:
+                    self._unwait(session)
+                    session.fail(message)
+        return True
+
     def guard_logits(self, logits: torch.Tensor) -> None:
         """Traced requests' logits rows made finite before sampling; a request whose
         rows were not fails (see :mod:`.isolation`). On a GPU the check is read a step

@@ -118,7 +118,14 @@ def _model_forward(original: Callable) -> Callable:
                     inter.prompt_split(req_id, prompt_len, computed, scheduled)
         num_tokens = int(ids.shape[0]) if ids is not None else start
         inter.begin_step(StepLayout(spans, rows, num_tokens))
-        return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - vLLM's own error, in a step blocks took part in
+            if not inter.abort_step(exc):
+                raise  # nothing traced ran in this step: the error is not an intervention's
+            logger.warning("vLLM raised %s in a step with interventions; running it again without them",
+                           type(exc).__name__)
+            return original(self, *args, **kwargs)
 
     return model_forward
 
