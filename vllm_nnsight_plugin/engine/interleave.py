@@ -668,9 +668,8 @@ class Interleaver:
         if not self.sessions and not self.finite.waiting:
             return
         steps, last = {}, False
-        for req_id in layout.rows:
-            blocks = self.sessions.get(req_id)
-            if blocks:
+        for req_id, blocks in self.sessions.items():
+            if req_id in layout.rows:
                 steps[req_id] = step = blocks[0].step
                 limit = getattr(self.params.get(req_id), "max_tokens", None)
                 last = last or (limit is not None and step + 1 >= limit)
@@ -774,16 +773,16 @@ class Interleaver:
     def _check_samples(self, ids: torch.Tensor, sessions: list[RequestSession]) -> None:
         """Token ids a block wrote into ``model.samples`` must be in the vocabulary (the
         next step embeds them); out-of-range rows become 0 and their requests fail."""
-        rows = [self.layout.rows[s.req_id] for s in sessions if s.req_id in self.layout.rows]
-        if not rows:
+        served = [s for s in sessions if s.req_id in self.layout.rows]
+        if not served:
             return
-        index = torch.tensor(rows, device=ids.device)
+        index = torch.tensor([self.layout.rows[s.req_id] for s in served], device=ids.device)
         picked = ids.index_select(0, index)
-        bad = ((picked < 0) | (picked >= self.vocab)).reshape(len(rows), -1).any(dim=-1)
+        bad = ((picked < 0) | (picked >= self.vocab)).reshape(len(served), -1).any(dim=-1)
         if not bool(bad.any()):
             return
         ids.index_copy_(0, index, torch.where(bad.reshape(-1, *[1] * (picked.dim() - 1)), 0, picked))
-        for session, wrong in zip([s for s in sessions if s.req_id in self.layout.rows], bad.tolist()):
+        for session, wrong in zip(served, bad.tolist()):
             if wrong and session.error is None:  # (also if the block ended)
                 self._unwait(session)
                 session.fail(f"model.samples was set to a token id outside the vocabulary (0..{self.vocab - 1}); "
