@@ -744,3 +744,47 @@ def test_memory_comes_back_after_large_saves_and_temporaries(code_server):
         assert status == 200, body
         assert "over this server's limits" in body["kv_transfer_params"]["nnsight"]["error"]["message"]
     assert _tree_rss(code_server.proc.pid) - before < 300 << 20
+
+
+def _raw_post(server: Server, path: str, body: bytes) -> int:
+    req = urllib.request.Request(server.url + path, data=body, method="POST")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {KEY}")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return exc.code
+
+
+def test_fuzzed_payloads_get_no_5xx_and_poison_nothing(spec_server):
+    """The CI share of benchmarks/reliability.py: 400 generated hostile payloads
+    (random JSON, mutated specs, index-tensor edits, non-finite numbers, deep nesting,
+    wrong types in every vllm_xargs key, edits-route bodies) against the spec server:
+    no 5xx, the server healthy, and plain requests answer as before."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from fuzz_payloads import payloads
+
+    plain = {"model": "tiny", "max_tokens": 6, "temperature": 0.0, "logprobs": 1, "ignore_eos": True}
+    prompts = ["The Eiffel Tower is in", "Hello world!", "One two three four five six seven"]
+    before = [spec_server.post("/v1/completions", {**plain, "prompt": p})[1]["choices"][0] for p in prompts]
+    statuses: dict[int, int] = {}
+    for i, (category, value) in enumerate(payloads(seed=11, n=400, hidden=128, layers=4)):
+        text = value if isinstance(value, bytes) else json.dumps(value, allow_nan=True).encode()
+        if category.startswith("edits:"):
+            status = _raw_post(spec_server, "/v1/nnsight/edits", text)
+            if status == 200:
+                req = urllib.request.Request(spec_server.url + "/v1/nnsight/edits", method="DELETE")
+                req.add_header("Authorization", f"Bearer {KEY}")
+                urllib.request.urlopen(req, timeout=60).read()
+        else:
+            base = json.dumps({"model": "tiny", "prompt": f"{i} Hello", "max_tokens": 2}).encode()
+            status = _raw_post(spec_server, "/v1/completions", base[:-1] + b', "vllm_xargs": ' + text + b"}")
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status < 500, (category, text[:300])
+    assert spec_server.health() == 200
+    assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 100, statuses
+    after = [spec_server.post("/v1/completions", {**plain, "prompt": p})[1]["choices"][0] for p in prompts]
+    assert [(c["text"], c["logprobs"]) for c in after] == [(c["text"], c["logprobs"]) for c in before]
