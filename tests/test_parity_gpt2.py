@@ -96,3 +96,26 @@ def test_a_lowered_steering_block_applies_to_every_chunk_of_a_split_prompt(gpt2,
         with gpt2.trace(long, temperature=0.0, max_tokens=2, extra_args={"nnsight_lower": False}) as tracer:
             for _ in tracer.all():
                 gpt2.transformer.h[1].output[:] += v
+
+
+def test_traced_prompts_are_scheduled_whole_under_chunked_prefill(gpt2, hf_gpt2):
+    """Four traced prompts of 30-40 tokens in one trace, with a token budget of 64 per
+    step: chunked prefill would split the second prompt across steps. Each traced
+    prompt waits for a step it fits in whole instead, so every block reads its whole
+    prompt (equal to Hugging Face); an untraced prompt in the same batch is chunked
+    as usual."""
+    prompts = [" ".join([f"Sentence {i} says one two three four five six seven."] * 3) for i in range(4)]
+    with gpt2.trace(temperature=0.0, max_tokens=2) as tracer:
+        saved = []
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                saved.append(gpt2.transformer.h[1].output.save())
+    outputs = tracer.outputs
+    assert all(30 <= len(o.prompt_token_ids) <= 64 for o in outputs)
+    assert sum(len(o.prompt_token_ids) for o in outputs) > 64  # they cannot share one step
+    for out, value in zip(outputs, saved):
+        ids = out.prompt_token_ids
+        rec = HFRun(hf_gpt2, ids).record("h1", hf_gpt2.transformer.h[1])
+        rec.logits()
+        assert value.shape[0] == len(ids)
+        assert_close(value, rec.records["h1"])

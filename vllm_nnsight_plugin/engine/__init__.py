@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def install() -> None:
     """Arrange every patch; each applies when vLLM imports the patched module."""
-    from . import compat, frontend, isolation, results, rpc, runner_v1, runner_v2
+    from . import compat, frontend, isolation, results, rpc, runner_v1, runner_v2, whole_prompts
     from .outputs import install_saves_property
 
     compat.when_class(compat.RUNNER_V1, runner_v1.install)
@@ -13,6 +13,7 @@ def install() -> None:
     compat.when_class(compat.RUNNER_V2, runner_v2.install)
     compat.when_class(compat.SCHEDULER, results.install)
     compat.when_class(compat.SCHEDULER, isolation.install_scheduler)
+    compat.when_class(compat.SCHEDULER, whole_prompts.install)
     compat.when_class(compat.KV_CACHE_MANAGER, isolation.install_kv_manager)
     compat.when_class(compat.BLOCK_POOL, isolation.install_block_pool)
     compat.when_class(compat.INPUT_PROCESSOR, frontend.install)

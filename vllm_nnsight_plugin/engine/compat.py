@@ -22,6 +22,7 @@ V1_GRAPH_DISPATCH = "_determine_batch_execution_and_padding"  # picks FULL/PIECE
 RUNNER_V2 = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")  # Model Runner V2 (same class name)
 V2_GRAPH_DISPATCH = "dispatch_cg_and_sync_dp"  # module function of RUNNER_V2's module
 SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
+SCHEDULER_CONSIDERS_WAITING = "_handle_blocked_waiting_request"  # (request): called per waiting request considered
 KV_CACHE_MANAGER = ("vllm.v1.core.kv_cache_manager", "KVCacheManager")
 KV_MANAGER_FREES = ("free", "pop_blocks_for_free")  # (request): a request's blocks go back to the pool
 BLOCK_POOL = ("vllm.v1.core.block_pool", "BlockPool")  # get_new_blocks: the only fresh allocation
@@ -458,6 +459,16 @@ def serving_vllm_config(serving: Any) -> Any:
     """The engine config behind an OpenAI serving handler."""
     client = getattr(serving, "engine_client", None)
     return getattr(client, "vllm_config", None)
+
+
+def waiting_requests(scheduler: Any) -> list[Any]:
+    """The requests waiting to be scheduled (the queues vLLM's schedule() admits from)."""
+    out: list[Any] = []
+    for name in ("waiting", "kv_holding_waiting"):
+        queue = getattr(scheduler, name, None)
+        if queue:
+            out.extend(queue)
+    return out
 
 
 def scheduler_block_pool(scheduler: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..payload import codec
 from . import batched, compat, edits, guards, taps
+from .whole_prompts import SALT_PREFIX, SHARED_SPEC_SALT
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 
@@ -104,13 +105,13 @@ def cache_salt(raw: Any, env: dict[str, Any] | None) -> str:
     if env is not None and not edits.INSTALLED and env["kind"] == "spec" and batched.eligible(env) \
             and not batched.reads(env):
         return _spec_salt(raw)
-    return f"nnsight-{uuid.uuid4().hex}"
+    return f"{SALT_PREFIX}{uuid.uuid4().hex}"
 
 
 @functools.lru_cache(maxsize=64)  # one steering spec for a whole batch: hashed once
 def _spec_salt(raw: str | bytes) -> str:
     text = raw.encode() if isinstance(raw, str) else bytes(raw)
-    return f"nnsight-spec-{hashlib.sha256(text).hexdigest()}"
+    return f"{SHARED_SPEC_SALT}{hashlib.sha256(text).hexdigest()}"
 
 
 def _process_inputs(original: Callable) -> Callable:

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from . import compat
+from . import compat, whole_prompts
+from .whole_prompts import SALT_PREFIX
 
 DIRTY = "_nnsight_dirty_blocks"  # on the block pool: ids freed by traced requests
 PENDING = "_nnsight_blocks_to_zero"  # on the block pool: dirty ids handed out again, to zero
 ZERO_ATTR = "nnsight_zero_blocks"  # on a SchedulerOutput: ids the worker zeroes before the step
-SALT_PREFIX = "nnsight-"
 
 
 def traced(request: Any) -> bool:
@@ -80,7 +80,8 @@ def _get_new_blocks(original: Callable) -> Callable:
 
 def _schedule(original: Callable) -> Callable:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = original(self, *args, **kwargs)
+        with whole_prompts.scheduling(self):  # (the one wrap of schedule(): both happen here)
+            output = original(self, *args, **kwargs)
         pool = compat.scheduler_block_pool(self)
         pending = pool.__dict__.get(PENDING) if pool is not None else None
         if pending:
