@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, results
@@ -36,6 +37,21 @@ def _plain(max_tokens: int = 8) -> SamplingParams:
 def _tokens_and_logprobs(output):
     comp = output.outputs[0]
     return list(comp.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in comp.logprobs]
+
+
+def _assert_same(got: list, want: list) -> None:
+    """Outputs equal token for token and logprob for logprob: exactly on the CPU; on a
+    GPU to 1e-5, since a GEMM's last bits there depend on the batch a request joined
+    (tests/conftest.py: bit_identical_in_some_try). A NaN never passes."""
+    exact = not torch.cuda.is_available()
+    for a, b in zip(got, want, strict=True):
+        (ta, la), (tb, lb) = _tokens_and_logprobs(a), _tokens_and_logprobs(b)
+        assert ta == tb
+        if exact:
+            assert la == lb
+        else:
+            for sa, sb in zip(la, lb, strict=True):
+                assert sa.keys() == sb.keys() and all(abs(sa[k] - sb[k]) <= 1e-5 for k in sa), (sa, sb)
 
 
 INTEGER_EDITS = [
@@ -67,14 +83,12 @@ def test_without_the_table_the_worker_refuses_them_and_others_go_on(llama, monke
                             use_tqdm=False)
         with pytest.raises(InterventionError, match="integer tensor"):
             results(outs[0])
-        assert _tokens_and_logprobs(outs[1]) == _tokens_and_logprobs(reference[1])
+        _assert_same([outs[1]], [reference[1]])
 
 
 def test_a_write_to_an_integer_tensor_is_refused_at_the_write():
     """What the table does not name is caught by the dtype check every spec write
     makes before it changes anything."""
-    import torch
-
     from vllm_nnsight_plugin.engine.guards import check_writable
 
     with pytest.raises(TypeError, match="integer tensor"):
@@ -104,10 +118,10 @@ def test_non_finite_values_end_their_request_and_poison_nothing(llama, ops):
         with pytest.raises(InterventionError, match="NaN or inf"):
             results(out)
         assert out.outputs[0].stop_reason == "nnsight_error"
-    assert _tokens_and_logprobs(outs[3]) == _tokens_and_logprobs(reference[0])  # the same batch
+    _assert_same([outs[3]], [reference[0]])  # the same batch
     for _ in range(2):  # later requests get the freed blocks: never a stale NaN in them
         again = llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False)
-        assert [_tokens_and_logprobs(o) for o in again] == [_tokens_and_logprobs(o) for o in reference]
+        _assert_same(again, reference)
 
 
 # ----------------------------------------------------------------- the validator
@@ -227,9 +241,9 @@ def test_a_code_block_cannot_write_index_tensors_and_others_go_on(llama, block, 
     outs = llm.generate(PROMPTS[:2], [traced, _plain()], use_tqdm=False)
     with pytest.raises(InterventionError, match=match):
         results(outs[0])
-    assert _tokens_and_logprobs(outs[1]) == _tokens_and_logprobs(reference[1])
+    _assert_same([outs[1]], [reference[1]])
     again = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
-    assert [_tokens_and_logprobs(o) for o in again] == [_tokens_and_logprobs(o) for o in reference]
+    _assert_same(again, reference)
 
 
 def _makes_vllm_raise(model, tracer):
@@ -257,6 +271,6 @@ def test_an_exception_inside_vllms_forward_ends_the_traced_requests_not_the_engi
     outs = llm.generate(PROMPTS[:2], [traced, _plain()], use_tqdm=False)
     with pytest.raises(InterventionError, match="RuntimeError.*computed again without the interventions"):
         results(outs[0])
-    assert _tokens_and_logprobs(outs[1]) == _tokens_and_logprobs(reference[1])
+    _assert_same([outs[1]], [reference[1]])
     again = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
-    assert [_tokens_and_logprobs(o) for o in again] == [_tokens_and_logprobs(o) for o in reference]
+    _assert_same(again, reference)
