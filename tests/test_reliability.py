@@ -134,9 +134,9 @@ def test_malformed_json_is_refused_with_the_reason():
         '{"v": 1, "kind": "spec", "ops": [{"op": "scale", "module": "m", "factor": 1e400}]}': "not a finite",
         '{"v": true, "kind": "spec", "ops": [{"op": "zero", "module": "m"}]}': "'v' must be 1",
         '{"v": 1, "kind": "spec", "ops": [{"op": "zero", "module": "m\\n"}]}': "ops\\[0\\].module",
-        "[" * 1000: "nested too deeply",
+        "[" * 1000: "nested too deeply|not valid JSON",  # (Python 3.12's parser goes 1000 deep)
         "[" * 100_000: "nested too deeply|over the limit",
-        '{"a":' * 5000 + "1" + "}" * 5000: "nested too deeply",
+        '{"a":' * 100_000 + "1" + "}" * 100_000: "nested too deeply",
     }
     for text, match in cases.items():
         with pytest.raises(codec.PayloadError, match=match):

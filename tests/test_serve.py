@@ -348,8 +348,8 @@ def test_sixteen_concurrent_requests_half_traced(spec_server, llama_path, hf_lla
     (_spec([{"op": "read", "name": "s", "module": "model.layers.1", "index": 0, "sum": True}]), r"ops\[0\]\.sum"),
     ("{not json", "not valid JSON"),
     ("x" * (9 * 1024 * 1024), "over the limit"),
-    ("[" * 1000, "nested too deeply"),
-    ('{"a":' * 3000 + "1" + "}" * 3000, "nested too deeply"),
+    ("[" * 100_000, "nested too deeply"),
+    ('{"a":' * 100_000 + "1" + "}" * 100_000, "nested too deeply"),
     ('{"v": 1, "kind": "spec", "ops": [{"op": "scale", "module": "model.layers.0", "factor": NaN}]}', "NaN"),
     (_spec([{"op": "scale", "module": "model.layers.0", "factor": 2}]).replace('"v": 1', '"v": true'), "'v' must"),
     (_spec([{"op": "zero", "module": "model.layers.0\n"}]), r"ops\[0\]\.module"),
@@ -372,7 +372,7 @@ def test_bad_payloads_get_a_400_and_the_server_stays_up(code_server, payload, ma
 
 def test_refusals_are_logged_with_their_reason(code_server):
     code_server.post("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 1,
-                                         "vllm_xargs": {"nnsight": "[" * 2000}})
+                                         "vllm_xargs": {"nnsight": "[" * 100_000}})
     assert "refused a payload from http: payload is nested too deeply" in open(code_server.log).read()
 
 

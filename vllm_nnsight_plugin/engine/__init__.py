@@ -13,7 +13,8 @@ def install() -> None:
     compat.when_class(compat.RUNNER_V2, runner_v2.install)
     compat.when_class(compat.SCHEDULER, results.install)
     compat.when_class(compat.SCHEDULER, isolation.install_scheduler)
-    compat.when_class(compat.SCHEDULER, whole_prompts.install)
+    for queue in compat.WAITING_QUEUES:
+        compat.when_class(queue, whole_prompts.install_queue)
     compat.when_class(compat.KV_CACHE_MANAGER, isolation.install_kv_manager)
     compat.when_class(compat.BLOCK_POOL, isolation.install_block_pool)
     compat.when_class(compat.INPUT_PROCESSOR, frontend.install)

@@ -22,10 +22,13 @@ V1_GRAPH_DISPATCH = "_determine_batch_execution_and_padding"  # picks FULL/PIECE
 RUNNER_V2 = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")  # Model Runner V2 (same class name)
 V2_GRAPH_DISPATCH = "dispatch_cg_and_sync_dp"  # module function of RUNNER_V2's module
 SCHEDULER = ("vllm.v1.core.sched.scheduler", "Scheduler")
-SCHEDULER_CONSIDERS_WAITING = "_handle_blocked_waiting_request"  # (request): called per waiting request considered
+# the scheduler's waiting queues: peek_request() is how schedule() picks the next request to admit
+WAITING_QUEUES = (("vllm.v1.core.sched.request_queue", "FCFSRequestQueue"),
+                  ("vllm.v1.core.sched.request_queue", "PriorityRequestQueue"))
 KV_CACHE_MANAGER = ("vllm.v1.core.kv_cache_manager", "KVCacheManager")
 KV_MANAGER_FREES = ("free", "pop_blocks_for_free")  # (request): a request's blocks go back to the pool
-BLOCK_POOL = ("vllm.v1.core.block_pool", "BlockPool")  # get_new_blocks: the only fresh allocation
+BLOCK_POOL = ("vllm.v1.core.block_pool", "BlockPool")
+BLOCK_POOL_ALLOCATE = "get_new_blocks"  # (num_blocks) -> blocks: the only fresh allocation
 SCHEDULER_REQUEST_UPDATE = "_update_request_with_output"  # per request per step: (new ids, stopped)
 INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
@@ -479,12 +482,14 @@ def scheduler_block_pool(scheduler: Any) -> Any:
 def zero_kv_blocks(runner: Any, block_ids: list[int]) -> None:
     """Zero KV cache blocks in every layer, with vLLM's own zeroer where the runner has
     one (it knows each backend's layout), else along the dimension of size num_blocks."""
-    zeroer = getattr(runner, "kv_block_zeroer", None)  # Model Runner V2
+    def zeroer_of() -> Any:  # V2: kv_block_zeroer; V1: _kv_block_zeroer (both built only when vLLM needs one)
+        return getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
+
+    zeroer = zeroer_of()
     if zeroer is None and getattr(getattr(runner, "device", None), "type", "cpu") == "cuda" \
             and hasattr(runner, "_init_kv_zero_meta"):
-        if not hasattr(runner, "_kv_block_zeroer"):  # V1 builds it only for models that need it
-            runner._init_kv_zero_meta()
-        zeroer = runner._kv_block_zeroer
+        runner._init_kv_zero_meta()
+        zeroer = zeroer_of()
     if zeroer is not None:
         zeroer.zero_block_ids(list(block_ids))
         return

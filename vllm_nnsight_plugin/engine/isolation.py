@@ -103,7 +103,7 @@ def install_kv_manager(manager_cls: type) -> None:
 
 
 def install_block_pool(pool_cls: type) -> None:
-    compat.patch_method(pool_cls, "get_new_blocks", _get_new_blocks)
+    compat.patch_method(pool_cls, compat.BLOCK_POOL_ALLOCATE, _get_new_blocks)
 
 
 # ----------------------------------------------------------------- worker

@@ -11,7 +11,8 @@ worker ends that request with an error naming ``max_num_batched_tokens``.
 
 How: while ``schedule()`` runs with such a request waiting, the scheduler's config is
 seen through :class:`_PerRequest`, whose ``enable_chunked_prefill`` answers for the
-waiting request vLLM is looking at (noted by ``_handle_blocked_waiting_request``).
+waiting request vLLM is looking at (the last one its waiting queue's
+``peek_request`` returned).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from . import compat
 
 SALT_PREFIX = "nnsight-"  # the front end salts every traced request's prefix cache with this
 
-_CURRENT = "_nnsight_considered"  # on the scheduler: the waiting request being looked at
+_CONSIDERED: list[Any] = [None]  # while scheduling(): the waiting request schedule() looks at
+_NONE_YET = object()  # scheduling() holds, no request peeked yet (None: not scheduling)
 SHARED_SPEC_SALT = SALT_PREFIX + "spec-"  # edit-only batched specs: they apply to every chunk
 
 
@@ -38,15 +40,15 @@ class _PerRequest:
     """The scheduler config, with ``enable_chunked_prefill`` off for the request the
     scheduler is considering when that request must be scheduled whole."""
 
-    def __init__(self, config: Any, scheduler: Any):
+    def __init__(self, config: Any):
         object.__setattr__(self, "_config", config)
-        object.__setattr__(self, "_scheduler", scheduler)
 
     @property
     def enable_chunked_prefill(self) -> bool:
         config = self._config
-        request = self._scheduler.__dict__.get(_CURRENT)
-        if not config.enable_chunked_prefill or request is None or not keep_whole(request):
+        request = _CONSIDERED[0]
+        if not config.enable_chunked_prefill or request is None or request is _NONE_YET \
+                or not keep_whole(request):
             return config.enable_chunked_prefill
         # a prompt longer than the whole budget can never be whole: split it (the worker fails it)
         return request.num_tokens - request.num_computed_tokens > config.max_num_batched_tokens
@@ -65,23 +67,26 @@ def scheduling(scheduler: Any) -> Iterator[None]:
     if not config.enable_chunked_prefill or not any(keep_whole(r) for r in compat.waiting_requests(scheduler)):
         yield
         return
-    scheduler.scheduler_config = _PerRequest(config, scheduler)
+    scheduler.scheduler_config = _PerRequest(config)
+    _CONSIDERED[0] = _NONE_YET
     try:
         yield
     finally:
         scheduler.scheduler_config = config
-        scheduler.__dict__.pop(_CURRENT, None)
+        _CONSIDERED[0] = None
 
 
-def _handle_blocked(original: Callable) -> Callable:
-    def handle(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        self.__dict__[_CURRENT] = request
-        return original(self, request, *args, **kwargs)
+def _peek(original: Callable) -> Callable:
+    def peek_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        request = original(self, *args, **kwargs)
+        if _CONSIDERED[0] is not None:
+            _CONSIDERED[0] = request
+        return request
 
-    return handle
+    return peek_request
 
 
-def install(scheduler_cls: type) -> None:
+def install_queue(queue_cls: type) -> None:
     """(``schedule()`` itself is wrapped once, in :mod:`.isolation`, which enters
     :func:`scheduling`.)"""
-    compat.patch_method(scheduler_cls, compat.SCHEDULER_CONSIDERS_WAITING, _handle_blocked)
+    compat.patch_method(queue_cls, "peek_request", _peek)
