@@ -12,7 +12,7 @@ Two holes, both closed here:
   own block zeroer where the runner has one). Blocks still in the prefix cache are
   only ever hit by requests with the same salt, and they are not zeroed while
   cached: zeroing happens only on a fresh allocation.
-- **Non-finite logits.** A traced request whose logits hold NaN or inf ends with a
+- **Non-finite logits.** A traced request whose logits hold NaN or +inf ends with a
   per-request error naming the step. Its rows are made finite before sampling (a
   sampler fed NaN can fail for the whole batch); the check itself is read one step
   later, so it adds no device sync to the step.
@@ -132,8 +132,9 @@ class FiniteLogits:
         req_ids = list(steps)
         index = torch.tensor([rows[r] for r in req_ids], device=logits.device)
         part = logits.index_select(0, index)
-        finite = torch.isfinite(part).all(dim=-1)
-        logits.index_copy_(0, index, torch.nan_to_num(part))
+        # (-inf is a mask some models' logits carry: kept, and not an error)
+        finite = ~(torch.isnan(part) | torch.isposinf(part)).any(dim=-1)
+        logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
         event = None
         if finite.device.type == "cuda":
             host = torch.empty(finite.shape, dtype=finite.dtype, pin_memory=True)
