@@ -405,3 +405,39 @@ def test_the_readme_form_through_trace_is_lowered(llama):
         stream = stream.save()
     assert _lowered(llm) - before == 1
     assert len(stream) == 3 and stream[0].shape[0] == len(tracer.outputs[0].prompt_token_ids)
+
+
+def _halve_every_step(model, tracer):
+    for _ in tracer.all():
+        model.model.layers[0].output[0][:] *= 0.5
+
+
+def _halve_if_positive(model, tracer):
+    h = model.model.layers[0].output[0]
+    if h.norm() > 0:  # Python control flow on a tensor's value: only code can run this
+        h[:] *= 0.5
+
+
+def test_each_request_reports_how_its_blocks_ran(llama):
+    """RequestOutput.ran_as: "batched" for a batched spec and for a block the engine
+    runs as one, "code: <file>:<line> (<why>)" otherwise, for every request (also one
+    that only steers and saves nothing)."""
+    import json
+
+    steer = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "scale", "module": "model.layers.0.mlp", "factor": 0.5, "steps": "all"}]})
+    cases = [
+        ({"nnsight": steer}, "batched"),
+        ({"nnsight": make_payload(_halve_every_step)}, "batched"),
+        ({"nnsight": make_payload(_halve_every_step), "nnsight_lower": False}, "(nnsight_lower is off)"),
+        ({"nnsight": make_payload(_halve_if_positive)}, "(not one of the forms the engine batches)"),
+    ]
+    outs = llama.vllm_entrypoint.generate(
+        ["Hello"] * len(cases), [SamplingParams(max_tokens=3, extra_args=extra) for extra, _ in cases], use_tqdm=False)
+    for out, (_, want) in zip(outs, cases):
+        if want == "batched":
+            assert out.ran_as == "batched", out.ran_as
+        else:
+            assert out.ran_as.startswith(f"code: {__file__}:") and out.ran_as.endswith(want), out.ran_as
+    plain = llama.vllm_entrypoint.generate(["Hello"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert plain.ran_as is None

@@ -262,6 +262,7 @@ def test_spec_layer_read_matches_hf(spec_server, hf_llama):
         "vllm_xargs": {"nnsight": spec}})
     assert status == 200, body
     hidden, residual = tagged.decode(body["kv_transfer_params"]["nnsight"]["saves"]["o"])
+    assert body["kv_transfer_params"]["nnsight"]["ran_as"] == "batched"  # next to the saves
     rec = HFRun(hf_llama, body["choices"][0]["prompt_token_ids"]).record("l2", hf_llama.model.layers[2])
     rec.logits()
     assert_close(hidden + residual, rec.records["l2"])

@@ -93,18 +93,21 @@ class Interleaver:
             return
         extra = extra_args or {}
         # a block whose saves stream per step binds its names as it runs: never lowered
-        lowerable = lower.wanted(extra.get(compat.LOWER_KEY, True)) and not extra.get(compat.STREAM_KEY)
+        kept_code = "nnsight_lower is off" if not lower.wanted(extra.get(compat.LOWER_KEY, True)) else \
+            "its saves stream per step" if extra.get(compat.STREAM_KEY) else None  # why blocks stay code
         blocks: list[RequestSession] = []
         for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY)):
             blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
-                                        batchable=all(b.batched for b in blocks), lowerable=lowerable))
+                                        batchable=all(b.batched for b in blocks), kept_code=kept_code))
         raw = extra.get(codec.PAYLOAD_KEY)
         if raw is not None:
             blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks),
-                                        lowerable=lowerable))
+                                        kept_code=kept_code))
         if blocks:
             self._epoch += 1
             self.sessions[req_id] = blocks
+            # how each block runs, reported once on the request's output (RequestOutput.ran_as)
+            self.results.setdefault(req_id, {})["ran_as"] = "; ".join(b.ran_as for b in blocks)
             self.traced.add(req_id)
             if not all(b.batched for b in blocks):
                 self.coded.add(req_id)
@@ -124,25 +127,32 @@ class Interleaver:
         return [(eid, e) for eid, e in self.edits.items() if e[0] is None or e[0] in wanted]
 
     def _session(self, req_id: str, raw: Any, label: str = "", index: int = 0,
-                 batchable: bool = True, lowerable: bool = True) -> RequestSession:
+                 batchable: bool = True, kept_code: str | None = None) -> RequestSession:
         """One block. ``batchable``: every earlier block of the request is batched, so a
         batched spec here still runs in block order (batched edits apply first).
-        ``lowerable``: a code block that is exactly a batched spec runs as that spec."""
+        ``kept_code``: why a code block must run as code (None: if it is exactly a batched
+        spec, it runs as that spec). Sets the session's ``ran_as``."""
         session = RequestSession(req_id, self)
         try:
             env = raw if isinstance(raw, dict) else codec.parse_envelope(raw)
             if env["kind"] == "spec":
                 self._admit_spec(session, env, index if batchable else None)
+                session.ran_as = "batched" if session.batched else "spec, per request" + \
+                    ("" if batchable else " (an earlier block of the request runs as code)")
                 return session
             lowered, values = self.lowerings.get(env, self._resolver(), self.check_module_access) \
-                if lowerable and batchable else (None, None)
+                if kept_code is None and batchable else (None, None)
             if lowered is not None:
                 self._admit_spec(session, lowered.spec, index)
                 session.lowered = lowered
                 lower.STATS["lowered"] += 1
             session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
             if lowered is not None:
+                session.ran_as = "batched"
                 return session
+            why = kept_code or ("an earlier block of the request runs as code" if not batchable
+                                else "not one of the forms the engine batches")
+            session.ran_as = f"code: {env['filename']}:{env['lineno']} ({why})"
             if values is None:
                 values = codec.load_code(env, self._resolver()).values
             session.namespace.update({k: self._to_device(v) for k, v in values.items()})

@@ -1,4 +1,5 @@
-"""``RequestOutput.saves``: what an intervention saved, on vLLM's own output."""
+"""``RequestOutput.saves`` and ``.ran_as``: what an intervention saved and how it
+ran, on vLLM's own output."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def _set_saves(self: Any, value: dict[str, Any]) -> None:
     self.__dict__["_nnsight_saves"] = value
 
 
+def _ran_as(self: Any) -> str | None:
+    res = results_of(self)
+    return res.ran_as if res is not None else None
+
+
 def install_saves_property(request_output_cls: type) -> None:
     if "saves" not in request_output_cls.__dict__:
         request_output_cls.saves = property(_saves, _set_saves, doc="Values saved by nnsight interventions.")
+    if "ran_as" not in request_output_cls.__dict__:
+        request_output_cls.ran_as = property(_ran_as, doc="How the request's interventions ran: 'batched', "
+                                                          "or 'code: <file>:<line> (<why>)'; ';'-joined.")

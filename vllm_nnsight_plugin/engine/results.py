@@ -46,7 +46,7 @@ def merge(store: dict[str, dict[str, Any]], step_results: dict[str, dict[str, An
             changed = update.get("changed", list(update["saves"]))
             entry["step_saves"] = {n: update["saves"][n] for n in changed if n in update["saves"]}
             entry["step"] = update.get("step", 0)
-        for key in ("error", "done", "stop", "pending"):
+        for key in ("error", "done", "stop", "pending", "ran_as"):
             if key in update:
                 entry[key] = update[key]
         if update.get("warnings"):
@@ -65,7 +65,7 @@ def finalize(entry: dict[str, Any]) -> dict[str, Any]:
             f"the request ended while the block waited for {pending['desc']} (e.g. a stop string or "
             "an abort), so the block did not run to its end; values saved so far are returned"
         )
-    return codec.results_of(entry.get("saves") or {}, error, warnings)  # encoded by the worker
+    return codec.results_of(entry.get("saves") or {}, error, warnings, entry.get("ran_as"))  # encoded by the worker
 
 
 def _update_from_output(original: Callable) -> Callable:

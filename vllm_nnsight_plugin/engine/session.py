@@ -152,6 +152,7 @@ class RequestSession:
     _on_device: bool = True  # the last off_host walk found a device tensor (to_host maps it)
     _glet: greenlet.greenlet | None = None
     code_time: float = 0.0  # seconds its block has run (budget.Watchdog)
+    ran_as: str = ""  # how the block runs: "batched", or "code: <file>:<line> (<why>)"
 
     # ------------------------------------------------------------ lifecycle
     @property

@@ -13,7 +13,8 @@ worker resolves to its own objects, so the size is flat in model depth.
 
 Results: a JSON-safe dict under ``RequestOutput.kv_transfer_params["nnsight"]``::
 
-    {"saves": {name: tagged value}, "error": null | {...}, "warnings": [...]}
+    {"saves": {name: tagged value}, "error": null | {...}, "warnings": [...],
+     "ran_as": "batched" | "code: <file>:<line> (<why>)"}
 """
 
 from __future__ import annotations
@@ -222,9 +223,14 @@ def encode_results(
     return results_of(encode_saves(saves, binary), error, warnings)
 
 
-def results_of(encoded_saves: dict[str, Any], error: dict[str, Any] | None, warnings: list[str]) -> dict[str, Any]:
-    """The result dict from saves already encoded (by the worker, :func:`encode_saves`)."""
-    return {"saves": encoded_saves, "error": error, "warnings": list(warnings)}
+def results_of(encoded_saves: dict[str, Any], error: dict[str, Any] | None, warnings: list[str],
+               ran_as: str | None = None) -> dict[str, Any]:
+    """The result dict from saves already encoded (by the worker, :func:`encode_saves`);
+    ``ran_as``: how the request's blocks ran ("batched", or "code: <file>:<line> (<why>)")."""
+    out = {"saves": encoded_saves, "error": error, "warnings": list(warnings)}
+    if ran_as is not None:
+        out["ran_as"] = ran_as
+    return out
 
 
 @dataclass
@@ -234,6 +240,7 @@ class Results:
     saves: dict[str, Any]
     error: dict[str, Any] | None
     warnings: list[str]
+    ran_as: str | None = None
 
 
 def decode_results(raw: Any, resolve_result: Callable | None = None) -> Results | None:
@@ -243,4 +250,4 @@ def decode_results(raw: Any, resolve_result: Callable | None = None) -> Results 
     if isinstance(raw, str):
         raw = json.loads(raw)
     saves = {k: tagged.decode(v, resolve_result) for k, v in (raw.get("saves") or {}).items()}
-    return Results(saves, raw.get("error"), list(raw.get("warnings") or []))
+    return Results(saves, raw.get("error"), list(raw.get("warnings") or []), raw.get("ran_as"))
