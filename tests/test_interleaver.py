@@ -489,7 +489,11 @@ def test_a_steady_batch_of_steering_specs_skips_the_walk_but_not_a_change(config
     # the new batch; 6 walks (c was admitted); 7 does not
     assert walks == [0, 4, 5, 6]
     assert shipped[4]["a"]["error"]["message"].endswith("stopped by the test")
-    assert not any(shipped[i] for i in (0, 1, 2, 3, 5, 6, 7))
+    assert not any(shipped[i] for i in (1, 2, 3, 5, 7))  # quiet steps ship nothing
+    # an admission's step ships how each new request runs, once (RequestOutput.ran_as)
+    assert {r: e["ran_as"] for r, e in shipped[0].items()} == {"a": "batched", "b": "batched"}
+    assert {r: e["ran_as"] for r, e in shipped[6].items()} == {"c": "batched"}
+    assert all(e.get("error") is None for i in (0, 6) for e in shipped[i].values())
     assert inter.sessions["b"][0].step == 8
     assert inter.sessions["a"][0].step == 4  # (kept, failed, until vLLM ends the request)
     assert inter.sessions["c"][0].step == 0  # never scheduled: not advanced
