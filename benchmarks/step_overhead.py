@@ -137,6 +137,7 @@ def run(config, extra: dict, n: int, steps: int) -> tuple[float, float]:
         with torch.inference_mode():  # as vLLM's execute_model runs (the lanes' tables are inference tensors)
             inter.begin_step(StepLayout(spans, rows, n))
             h = root.model(x)  # the tap op: lanes, batched Python path or blocks
+            inter.guard_logits(h)  # (as the runner's compute_logits wrap: h stands in for the logits)
             inter.keep_logits(h)
             inter.end_step(set(ids) if step == steps - 1 else set())
         traced.append(time.perf_counter() - t)

@@ -52,6 +52,7 @@ class Interleaver:
         self.batched = batched.BatchedEdits(self)
         self.finite = isolation.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
+        self._guard_memo: tuple | None = None  # (epoch, rows, traced ids, their rows' index, max_tokens)
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
         self.params: dict[str, Any] = {}  # their SamplingParams (V2's runner keeps none)
@@ -672,21 +673,27 @@ class Interleaver:
     def guard_logits(self, logits: torch.Tensor) -> None:
         """Traced requests' logits rows made finite before sampling; a request whose
         rows were not fails (see :mod:`.isolation`). On a GPU the check is read a step
-        later, or at once in a request's last step by ``max_tokens``."""
+        later, or at once in a request's last step by ``max_tokens``. The traced rows'
+        index is kept while the batch's rows and requests stay the same (decode steps)."""
         layout = self.layout
         self.vocab = int(logits.shape[-1])
         if not self.sessions and not self.finite.waiting:
             return
-        steps, last = {}, False
-        for req_id, blocks in self.sessions.items():
-            if req_id in layout.rows:
-                steps[req_id] = step = blocks[0].step
-                limit = getattr(self.params.get(req_id), "max_tokens", None)
-                last = last or (limit is not None and step + 1 >= limit)
-        found = self.finite.check(logits, layout.rows, steps)
-        if last:
-            found += self.finite.collect()
-        for req_id, step in found:
+        memo = self._guard_memo
+        if memo is None or memo[0] != self._epoch or not (memo[1] is layout.rows or memo[1] == layout.rows):
+            req_ids = [r for r in self.sessions if r in layout.rows]
+            index = torch.tensor([layout.rows[r] for r in req_ids], dtype=torch.long)
+            if logits.device.type == "cuda":
+                index = index.pin_memory().to(logits.device, non_blocking=True)
+            limits = [getattr(self.params.get(r), "max_tokens", None) for r in req_ids]
+            memo = self._guard_memo = (self._epoch, layout.rows, req_ids, index, limits)
+        _, _, req_ids, index, limits = memo
+        found = self.finite.check(logits, index, req_ids)
+        if self.finite.waiting and any(limit is not None and self.sessions[r][0].step + 1 >= limit
+                                       for r, limit in zip(req_ids, limits)):
+            found += self.finite.collect()  # (a request's last step: its error must ship with it)
+        for req_id in found:
+            step = self.sessions[req_id][0].step if req_id in self.sessions else "?"
             self.fail_request(req_id, f"the logits held NaN or inf at step {step}: an edit made this request's "
                                       "activations overflow or become NaN, so it ends here (its KV cache blocks "
                                       "are zeroed before any other request gets them)")

@@ -121,16 +121,14 @@ class FiniteLogits:
     step later (a device-to-host copy that does not stall the step)."""
 
     def __init__(self) -> None:
-        self._last: tuple[list[str], list[int], torch.Tensor, Any] | None = None
+        self._last: tuple[list[str], torch.Tensor, Any] | None = None
 
-    def check(self, logits: torch.Tensor, rows: dict[str, int], steps: dict[str, int]) -> list[tuple[str, int]]:
-        """Make the rows of the requests in ``steps`` (request -> its step) finite;
-        return ``(request, step)`` for the last checked step's rows that were not."""
+    def check(self, logits: torch.Tensor, index: torch.Tensor, req_ids: list[str]) -> list[str]:
+        """Make the logits rows at ``index`` (those of ``req_ids``) finite; return the
+        requests whose rows were not in the last checked step (on the CPU: this one)."""
         found = self.collect()
-        if not steps:
+        if not req_ids:
             return found
-        req_ids = list(steps)
-        index = torch.tensor([rows[r] for r in req_ids], device=logits.device)
         part = logits.index_select(0, index)
         # (-inf is a mask some models' logits carry: kept, and not an error)
         finite = ~(torch.isnan(part) | torch.isposinf(part)).any(dim=-1)
@@ -142,19 +140,19 @@ class FiniteLogits:
             event = torch.cuda.Event()
             event.record()
             finite = host
-        self._last = (req_ids, [steps[r] for r in req_ids], finite, event)
+        self._last = (req_ids, finite, event)
         return found + (self.collect() if event is None else [])  # on the CPU: at once
 
     @property
     def waiting(self) -> bool:
         return self._last is not None
 
-    def collect(self) -> list[tuple[str, int]]:
-        """``(request, step)`` whose rows were non-finite in the last checked step."""
+    def collect(self) -> list[str]:
+        """The requests whose rows were non-finite in the last checked step."""
         last, self._last = self._last, None
         if last is None:
             return []
-        req_ids, steps, finite, event = last
+        req_ids, finite, event = last
         if event is not None:
             event.synchronize()
-        return [(r, s) for r, s, ok in zip(req_ids, steps, finite.tolist()) if not ok]
+        return [r for r, ok in zip(req_ids, finite.tolist()) if not ok]
