@@ -665,10 +665,15 @@ class Interleaver:
                    "requests that had one end here")
         for req_id in victims:
             for session in self.sessions[req_id]:
-                if session.error is None:
-                    self._unwait(session)
-                    session.fail(message)
+                self._end_block(session, message)
         return True
+
+    def _end_block(self, session: RequestSession, message: str) -> None:
+        """Fail a block for what it did this step, also when it has already run to its
+        end (its error still ships with the step's results)."""
+        if session.error is None:
+            self._unwait(session)
+            session.fail(message)
 
     def guard_logits(self, logits: torch.Tensor) -> None:
         """Traced requests' logits rows made finite before sampling; a request whose
@@ -780,10 +785,9 @@ class Interleaver:
             else:
                 serving = Serving(key, session.step, given, assign)
                 self._run(session, lambda s=session, v=given, sv=serving: s.resume(v, sv))
-            if copies and session.error is None and guards.edited(copies):  # (also if the block ended)
-                self._unwait(session)
-                session.fail(f"{wait.describe()} holds token ids or positions that vLLM indexes with; edits "
-                             "of it are refused (the block changed its copy)")
+            if copies and guards.edited(copies):
+                self._end_block(session, f"{wait.describe()} holds token ids or positions that vLLM indexes "
+                                         "with; edits of it are refused (the block changed its copy)")
         if key == ("samples",) and self.vocab is not None:
             self._check_samples(value, waiting)
 
@@ -800,7 +804,6 @@ class Interleaver:
             return
         ids.index_copy_(0, index, torch.where(bad.reshape(-1, *[1] * (picked.dim() - 1)), 0, picked))
         for session, wrong in zip(served, bad.tolist()):
-            if wrong and session.error is None:  # (also if the block ended)
-                self._unwait(session)
-                session.fail(f"model.samples was set to a token id outside the vocabulary (0..{self.vocab - 1}); "
-                             "the request ends here")
+            if wrong:
+                self._end_block(session, f"model.samples was set to a token id outside the vocabulary "
+                                         f"(0..{self.vocab - 1}); the request ends here")

@@ -14,8 +14,8 @@ Two holes, both closed here:
   cached: zeroing happens only on a fresh allocation.
 - **Non-finite logits.** A traced request whose logits hold NaN or +inf ends with a
   per-request error naming the step. Its rows are made finite before sampling (a
-  sampler fed NaN can fail for the whole batch); the check itself is read one step
-  later, so it adds no device sync to the step.
+  sampler fed NaN can fail for the whole batch). On a GPU the check is read a step
+  later (no device sync in the step), or at once in a request's last step.
 """
 
 from __future__ import annotations
@@ -26,17 +26,11 @@ from typing import Any
 import torch
 
 from . import compat, whole_prompts
-from .whole_prompts import SALT_PREFIX
+from .whole_prompts import traced
 
 DIRTY = "_nnsight_dirty_blocks"  # on the block pool: ids freed by traced requests
 PENDING = "_nnsight_blocks_to_zero"  # on the block pool: dirty ids handed out again, to zero
 ZERO_ATTR = "nnsight_zero_blocks"  # on a SchedulerOutput: ids the worker zeroes before the step
-
-
-def traced(request: Any) -> bool:
-    """A request the plugin traced (the front end salts every one of them)."""
-    salt = getattr(request, "cache_salt", None)
-    return isinstance(salt, str) and salt.startswith(SALT_PREFIX)
 
 
 # ----------------------------------------------------------- scheduler (EngineCore)

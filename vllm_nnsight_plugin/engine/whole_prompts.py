@@ -30,10 +30,15 @@ _NONE_YET = object()  # scheduling() holds, no request peeked yet (None: not sch
 SHARED_SPEC_SALT = SALT_PREFIX + "spec-"  # edit-only batched specs: they apply to every chunk
 
 
+def traced(request: Any) -> bool:
+    """A request the plugin traced (the front end salts every one of them)."""
+    salt = getattr(request, "cache_salt", None)
+    return isinstance(salt, str) and salt.startswith(SALT_PREFIX)
+
+
 def keep_whole(request: Any) -> bool:
     """A traced request whose prompt a block or a read must see in one step."""
-    salt = getattr(request, "cache_salt", None)
-    return isinstance(salt, str) and salt.startswith(SALT_PREFIX) and not salt.startswith(SHARED_SPEC_SALT)
+    return traced(request) and not request.cache_salt.startswith(SHARED_SPEC_SALT)
 
 
 class _PerRequest:

@@ -131,7 +131,7 @@ def parse_envelope(raw: Any, max_width: int | None = None) -> dict[str, Any]:
     limit = max_payload_bytes()
     if len(raw) > limit:
         raise PayloadError(f"payload is {len(raw)} bytes, over the limit of {limit}")
-    if len(raw) <= _CACHEABLE:
+    if len(raw) <= LARGE_PAYLOAD:
         return _parse_cached(raw, max_width)
     items = raw.count(",")  # about one per JSON value: bounds what parsing costs, before it starts
     if items > MAX_JSON_ITEMS:
@@ -148,7 +148,8 @@ def parse_envelope(raw: Any, max_width: int | None = None) -> dict[str, Any]:
     return env
 
 
-_CACHEABLE = 64 * 1024
+# a payload over this is large: not kept by text, checked off a server's event loop
+LARGE_PAYLOAD = 64 * 1024
 _recent_large: collections.deque = collections.deque(maxlen=4)
 
 

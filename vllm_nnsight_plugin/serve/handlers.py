@@ -22,9 +22,9 @@ from ..engine import compat
 from ..engine.frontend import check_payload, ensure_module_table
 from ..payload import codec
 from ..payload import values as tagged
+from ..payload.codec import LARGE_PAYLOAD
 
 logger = logging.getLogger("vllm.nnsight_plugin")
-LARGE_PAYLOAD = 64 * 1024
 
 
 def _payload(request: Any) -> Any:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine import compat
+from ..payload.codec import LARGE_PAYLOAD
 from ..payload.tapset import from_settings
-from .handlers import LARGE_PAYLOAD
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 
