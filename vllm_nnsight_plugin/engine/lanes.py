@@ -8,11 +8,13 @@ fills before the step, so the step keeps the full graph.
 
 Per tapped tensor (a *part*: ``output[0]`` of a decoder layer) a lane holds a
 slot per row of the batch (``sel``; 0 leaves the row untouched) and, per slot,
-a mask, a scale and an offset:
+a mask, a keep flag, a scale and an offset:
 
-    x[:] = where(mask[sel], x * scale[sel] + offset[sel], x);  read[:n] = x
+    y = where(keep[sel], x * scale[sel] + offset[sel], offset[sel])
+    x[:] = where(mask[sel], y, x);  read[:n] = x
 
-``add`` is (1, v), ``scale`` (f, -0.0), ``zero`` (0, 0), ``set`` (0, v); the
+with the coefficients of :func:`.arith.lane_coefficients` (``zero`` and ``set``
+do not read the old value, so a NaN row becomes what eager PyTorch makes it); the
 arithmetic runs in fp32 and rounds once, as PyTorch's own in-place ops do, so
 the result equals the eager path's; untouched rows are copied as they are (bit
 for bit). These kernels are recorded when vLLM captures its full graphs and
@@ -32,6 +34,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from . import arith
 
 SLOTS = 16  # distinct edit operations per tapped tensor per step (slot 0: untouched rows)
 
@@ -73,6 +77,7 @@ class PartLane:
         self.rows, self.dtype, self.inner = rows, like.dtype, inner
         self.sel = torch.zeros(rows, dtype=torch.int64, device=device)
         self.mask = torch.zeros((SLOTS + 1, *ones), dtype=torch.bool, device=device)
+        self.keep = torch.zeros((SLOTS + 1, *ones), dtype=torch.bool, device=device)
         self.scale = torch.ones((SLOTS + 1, *ones), dtype=torch.float32, device=device)
         self.offset = torch.zeros((SLOTS + 1, *inner), dtype=torch.float32, device=device)
         self.read = torch.zeros((rows, *inner), dtype=like.dtype, device=device)
@@ -90,7 +95,9 @@ class PartLane:
     def kernels(self, x: torch.Tensor) -> None:
         n = x.shape[0]
         idx = self.sel[:n]
-        y = torch.addcmul(self.offset.index_select(0, idx), x.float(), self.scale.index_select(0, idx))
+        offset = self.offset.index_select(0, idx)
+        y = torch.addcmul(offset, x.float(), self.scale.index_select(0, idx))
+        y = torch.where(self.keep.index_select(0, idx), y, offset)
         x.copy_(torch.where(self.mask.index_select(0, idx), y.to(x.dtype), x))
         self.read[:n].copy_(x)
 
@@ -117,10 +124,11 @@ class PartLane:
             self._events[i].record()
         self.editing = True
 
-    def set_slot(self, slot: int, kind: str, value: torch.Tensor | None, factor: float = 1.0) -> None:
-        """Slot ``slot`` does ``kind``: scale and offset as in the module docstring."""
-        scale, offset = {"add": (1.0, value), "scale": (factor, -0.0), "zero": (0.0, 0.0), "set": (0.0, value)}[kind]
+    def set_slot(self, slot: int, kind: str, value: arith.Operand | None, factor: float = 1.0) -> None:
+        """Slot ``slot`` does ``kind`` (see the module docstring)."""
+        keep, scale, offset = arith.lane_coefficients(kind, value, factor)
         self.mask[slot].fill_(True)
+        self.keep[slot].fill_(keep)
         self.scale[slot].fill_(scale)
         if isinstance(offset, float):
             self.offset[slot].fill_(offset)

@@ -1,0 +1,83 @@
+"""The edit arithmetic is defined once (engine/arith.py): the batched Python path,
+the per-request spec runner and the CUDA-graph lanes' kernels (run here on CPU
+tensors) all equal eager PyTorch's in-place statement, NaN and inf rows included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_nnsight_plugin.engine import arith, lanes
+
+NASTY = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e30, -3.5]
+
+
+def _rows(dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    x[0, :] = float("nan")
+    x[1, 0], x[1, 1], x[2, 2], x[3, 3] = float("inf"), float("-inf"), -0.0, 1e30
+    return x.to(dtype)
+
+
+def _eager(kind: str, x: torch.Tensor, value, factor: float) -> torch.Tensor:
+    """The statement a block would write."""
+    x = x.clone()
+    if kind == "add":
+        x[:] += value
+    elif kind == "scale":
+        x[:] *= factor
+    elif kind == "zero":
+        x[:] = 0
+    else:
+        x[:] = value
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", arith.EDITS)
+@pytest.mark.parametrize("operand", ["vector", "number"])
+def test_every_path_equals_eager_torch_on_non_finite_rows(dtype, kind, operand):
+    x = _rows(dtype)
+    vec = torch.linspace(-2, 2, 8)
+    raw = vec.tolist() if operand == "vector" else 0.1
+    factor = 0.3 if kind == "scale" else 1.0
+    value = arith.operand(raw, x)
+    eager_value = vec if operand == "vector" else 0.1
+    want = _eager(kind, x, eager_value, factor)
+
+    python = arith.apply(kind, x.clone(), value if kind in ("add", "set") else None, factor)
+    lane = lanes.PartLane(x, rows=8)
+    lane.set_slot(1, kind, value if kind in ("add", "set") else None, factor)
+    lane.set_rows([(0, 6, 1)])
+    laned = x.clone()
+    lane.kernels(laned)
+    # (with a Python number, eager CPU kernels of half types round the number to the
+    # tensor's type first; CUDA's, where lanes run, compute in float32 as the lanes do)
+    lane_want = want if operand == "vector" else _eager(kind, x.float(), eager_value, factor).to(dtype)
+    for got, ref in ((python, want), (laned, lane_want)):
+        assert got.dtype == ref.dtype
+        assert torch.equal(got.isnan(), ref.isnan())
+        same = ref.isnan() | (got == ref)
+        assert bool(same.all()), (kind, got, ref)
+        assert torch.equal(torch.signbit(got[~ref.isnan()]), torch.signbit(ref[~ref.isnan()]))
+
+
+def test_rows_a_lane_does_not_pick_are_left_bit_for_bit():
+    x = _rows(torch.float32)
+    lane = lanes.PartLane(x, rows=8)
+    lane.set_slot(1, "zero", None, 1.0)
+    lane.set_rows([(1, 2, 1)])
+    out = x.clone()
+    lane.kernels(out)
+    untouched = torch.ones(6, dtype=torch.bool)
+    untouched[1] = False
+    a, b = out[untouched], x[untouched]
+    assert torch.equal(a.isnan(), b.isnan()) and bool(((a == b) | a.isnan()).all())
+    assert bool((out[1] == 0).all())
+
+
+def test_operands_refuse_non_finite_values():
+    x = torch.zeros(2, 3)
+    for bad in (float("nan"), [1.0, float("inf"), 0.0]):
+        with pytest.raises(ValueError, match="NaN or inf"):
+            arith.operand(bad, x)
