@@ -50,10 +50,14 @@ def _block_b(model, tracer):
 def test_steering_specs_qualify_for_the_batched_path():
     assert batched.eligible(json.loads(_spec(VEC_A)))
     once = {"op": "add", "module": "m", "value": [1], "steps": "prefill"}
-    assert not batched.eligible({"kind": "spec", "ops": [once]})
+    assert batched.eligible({"kind": "spec", "ops": [once]}) and not batched.replayable({"ops": [once]})
+    assert batched.last_step({"ops": [once, {**once, "steps": [2, 5]}]}) == 5
     assert batched.eligible({"kind": "spec", "ops": [{"op": "read", "name": "h", "module": "m", "steps": "all"}]})
     last_row = {"op": "read", "name": "h", "module": "m", "steps": "all", "positions": [-1]}
-    assert not batched.eligible({"kind": "spec", "ops": [last_row]})  # per-position: a block
+    assert batched.eligible({"kind": "spec", "ops": [last_row]})
+    assert not batched.eligible({"kind": "spec", "ops": [{"op": "logits_topk", "name": "t", "k": 3}]})
+    steer = json.loads(_spec(VEC_A))
+    assert batched.replayable(steer) and batched.last_step(steer) is None
 
 
 def test_batched_steering_equals_the_same_steering_as_a_block(llama):

@@ -1,12 +1,8 @@
-"""Code blocks that are exactly a whole-row read or steering run as the batched spec
-(engine/lower.py). Lowered, a block must give exactly what it gives as code: the
-same saved names and values, bit for bit, the same tokens, its errors at its own
-lines; anything that is not one of the forms must stay code."""
+"""Code blocks run as their recorded plan (engine/record.py, engine/lower.py): a
+block's plan must give exactly what it gives as code: the same saved names and
+values, bit for bit, the same tokens, its errors at its own lines."""
 
 from __future__ import annotations
-
-import ast
-import textwrap
 
 import pytest
 import torch
@@ -15,173 +11,6 @@ from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, make_payload, results
 from vllm_nnsight_plugin.engine import batched
-from vllm_nnsight_plugin.engine.envoy import WorkerEnvoy, WorkerTracer
-from vllm_nnsight_plugin.engine.lower import lower_block, output_structure
-
-# ------------------------------------------------------------------ matching
-
-
-class Pair(torch.nn.Module):
-    """A decoder layer's shape: (hidden, residual)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = Plain()
-        self.mlp = Unannotated()
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, x
-
-
-class Plain(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
-class Unannotated(torch.nn.Module):
-    def forward(self, x):  # noqa: ANN001, ANN201
-        return x
-
-
-class Triple(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return x, x, x
-
-
-class Toy(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList([Pair(), Pair()])
-        self.head = Plain()
-        self.three = Triple()
-        self.tied = Plain()
-        self.also_tied = self.tied  # one module under two paths (shared weights)
-
-
-TOY = Toy()
-ROOT = WorkerEnvoy(TOY, "", None)
-SHARED = frozenset({id(TOY.tied)})
-TRACER = WorkerTracer(None)
-VEC = torch.ones(8)
-
-
-def _lower(source: str, **values):
-    return lower_block(textwrap.dedent(source), 10, {"model": ROOT, "tracer": TRACER, **values}, torch.float32,
-                       SHARED)
-
-
-def _ops(source: str, **values) -> list[dict]:
-    lowered = _lower(source, **values)
-    assert lowered is not None, "expected the block to lower"
-    return lowered.spec["ops"]
-
-
-def test_annotations_give_each_modules_output_structure():
-    assert output_structure(Pair) == 2 and output_structure(Plain) == 0 and output_structure(Triple) == 3
-    assert output_structure(Unannotated) is None
-    assert output_structure(torch.nn.Linear) == 0
-
-
-def test_the_forms_lower_to_the_spec_they_are():
-    assert _ops("x = model.layers[1].output[0].save()") == [
-        {"op": "read", "name": "x", "module": "layers.1", "index": 0, "structure": 2, "steps": "prefill"}]
-    assert _ops("""
-        out = model.layers[0].output
-        s = (out[0] + out[1]).save()
-        h = model.layers[1].attn.output.clone().save()
-        """) == [{"op": "read", "name": "s", "module": "layers.0", "sum": True, "structure": 2, "steps": "prefill"},
-                 {"op": "read", "name": "h", "module": "layers.1.attn", "structure": 0, "steps": "prefill"}]
-    lowered = _lower("""
-        rows = []
-        for _ in tracer.all():
-            model.layers[0].attn.output[:] *= 0.5
-            model.layers[0].output[0][:] += v
-            model.layers[1].attn.output[:] = 0
-            out = model.layers[-1].output
-            rows.append(out[0] + out[1])
-        stream = rows.save()
-        """, v=VEC)
-    assert lowered.spec["ops"] == [
-        {"op": "scale", "module": "layers.0.attn", "structure": 0, "factor": 0.5, "steps": "all"},
-        {"op": "add", "module": "layers.0", "index": 0, "structure": 2, "value": [1.0] * 8, "steps": "all"},
-        {"op": "zero", "module": "layers.1.attn", "structure": 0, "steps": "all"},
-        {"op": "read", "name": "stream", "module": "layers.1", "sum": True, "structure": 2, "steps": "all"}]
-    assert lowered.lines == (13, 14, 15, 17)  # the block's own lines (it starts at line 10)
-    assert _ops("""
-        rows = list().save()
-        for step in tracer.iter[:]:
-            rows.append(model.layers[1].output[1].clone())
-        """) == [{"op": "read", "name": "rows", "module": "layers.1", "index": 1, "structure": 2, "steps": "all"}]
-
-
-@pytest.mark.parametrize("source", [
-    "x = model.head.output[0].save()",  # a tensor's first row, not a tuple's element
-    "x = model.layers[0].output.save()",  # a whole tuple
-    "x = model.layers[0].mlp.output.save()",  # unknown structure
-    "x = (model.three.output[0] + model.three.output[1]).save()",  # not the whole sum
-    "x = model.layers[0].output[2].save()",  # out of range: the block's own IndexError
-    "x = model.layers[5].output[0].save()",
-    "x = model.layers[0].output[0].save()\ny = 1",  # another statement
-    "x = model.layers[0].output[0]",  # not saved
-    "for _ in tracer.all():\n    model.layers[0].output[0][:] += w",  # float64: rounded differently
-    "for _ in tracer.all():\n    model.layers[0].output[0][:] += 0.1",  # a constant
-    "for _ in tracer.all():\n    model.layers[0].output[0][1:] += v",  # not whole rows
-    "for _ in tracer.iter[:3]:\n    model.layers[0].output[0][:] += v",  # bounded steps
-    "model.layers[0].output[0][:] += v",  # the prompt only
-    "rows = []\nfor _ in tracer.all():\n    rows.append(model.layers[0].output[0])\nstream = rows.save()",  # a view
-    "rows = []\nfor _ in tracer.all():\n    rows.append(model.layers[0].output[0].clone())",  # never saved
-    "rows = []\nfor _ in tracer.all():\n    model.layers[0].output[0][:] += v\n"
-    "    rows.append(model.layers[0].output[1].clone())\ns = rows.save()",  # a read beside an edit
-    "for _ in tracer.all():\n    model.layers[0].output[0][:] += v\nfor _ in tracer.all():\n    pass",
-    "model = 1\nx = model.layers[0].output[0].save()",  # the name rebound
-    "v = model.layers[0].output\nfor _ in tracer.all():\n    model.layers[1].output[0][:] += v",
-    "x = model.layers[1].output[0].save()\ny = model.layers[0].output[0].save()",  # out of order
-    "x = model.layers[0].output[0].save()\ny = model.layers[0].attn.output.save()",  # the parent first
-    "x = model.head.output.save()\ny = model.layers[0].output[0].save()",  # siblings: order unknown
-    "x = model.layers[1].output[0].save()\nfor _ in tracer.all():\n    model.layers[0].output[0][:] += v",
-    # an alias holds what was served when it was bound: not a later step's values...
-    "out = model.layers[0].output\nrows = []\nfor _ in tracer.all():\n    rows.append(out[0] + out[1])\n"
-    "stream = rows.save()",
-    "out = model.layers[0].output\nfor _ in tracer.all():\n    out[0][:] += v",
-    # ...nor, after another access, values vLLM may have overwritten in place
-    "out = model.layers[0].output\ny = model.layers[1].output[0].save()\ns = (out[0] + out[1]).save()",
-    "for _ in tracer.all():\n    model.tied.output[:] += v",  # shared: called twice a step
-    "for _ in tracer.all():\n    model.head.output[:] += one",  # broadcasts in a block; lanes take rows
-    "list = model.layers[0].output\nrows = list().save()\nfor _ in tracer.all():\n"
-    "    rows.append(model.layers[1].output[0].clone())",  # list() is not the builtin
-    "for _ in tracer.all():\n    model.head.output[:] *= 18446744073709551616",  # OverflowError in a block
-    "for _ in tracer.all():\n    model.head.output[:] *= 1e999",  # inf
-    "x = model.layers[" + "-" * 2000 + "1].output[0].save()",  # too deep to match: runs as code
-])
-def test_anything_else_stays_code(source):
-    assert _lower(source, v=VEC, w=VEC.double(), one=torch.ones(1)) is None
-
-
-def test_names_the_caller_had_are_rebound_by_the_block():
-    """The client ships every name the block mentions that its frame has (a second
-    run of a cell has the first run's ``rows`` and ``stream``): the block rebinds them."""
-    ops = _ops("rows = []\nfor _ in tracer.all():\n    rows.append(model.layers[0].output[0].clone())\n"
-               "stream = rows.save()", rows=[1], stream=torch.zeros(1), _=3)
-    assert ops[0]["name"] == "stream"
-
-
-def test_an_envoy_the_caller_made_names_its_module():
-    layer = ROOT.layers[1]
-    assert _ops("x = layer.output[0].save()", layer=layer)[0]["module"] == "layers.1"
-
-
-def test_an_alias_used_at_once_in_its_own_scope_lowers():
-    ops = _ops("""
-        out = model.layers[0].output
-        s = (out[0] + out[1]).save()
-        rows = []
-        for _ in tracer.all():
-            h = model.layers[1].output
-            rows.append(h[0] + h[1])
-        stream = rows.save()
-        """)
-    assert [(op["name"], op["module"], op["steps"]) for op in ops] == [
-        ("s", "layers.0", "prefill"), ("stream", "layers.1", "all")]
 
 
 def test_a_value_that_is_not_the_annotated_structure_is_refused_naming_the_fix():
@@ -209,57 +38,6 @@ def test_the_per_request_switch_reads_as_the_openai_server_passes_it():
     assert not lowering_wanted(xargs["nnsight_lower"])  # (pydantic made it 0)
     assert not any(lowering_wanted(v) for v in (False, 0, "false", "0"))
     assert all(lowering_wanted(v) for v in (True, 1, "true"))
-
-
-BIG = torch.ones(20_000)  # 80 KB: its payload is over the lowering cache's size
-
-
-def _steer_toy(model, tracer):
-    for _ in tracer.all():
-        model.layers[0].output[0][:] += VEC
-
-
-def _steer_toy_big(model, tracer):
-    for _ in tracer.all():
-        model.layers[0].output[0][:] += BIG
-
-
-def test_lowerings_are_cached_by_payload_text_unless_large():
-    import json
-
-    from vllm_nnsight_plugin.engine.lower import Lowerings
-
-    lowerings = Lowerings(TOY, torch.float32)
-
-    def resolve(ref: tuple):
-        return ROOT if ref[0] == "model" else TRACER
-
-    def serves(path: str, kind: str) -> None:
-        pass
-
-    env = json.loads(make_payload(_steer_toy))
-    first, values = lowerings.get(env, resolve, serves)
-    assert first is not None and set(values) == {"model", "tracer", "VEC"}
-    again, values = lowerings.get(env, resolve, serves)
-    assert again is first and values is None  # the same ops (they batch), nothing unpickled
-    big = json.loads(make_payload(_steer_toy_big))
-    one, _ = lowerings.get(big, resolve, serves)
-    two, values = lowerings.get(big, resolve, serves)
-    assert one is not None and two is not None and two is not one and values is not None
-
-    def untapped(path: str, kind: str) -> None:
-        raise ValueError("not tapped")
-
-    assert Lowerings(TOY, torch.float32).get(env, resolve, untapped)[0] is None  # the block says it itself
-
-
-def test_a_lowered_error_names_the_blocks_line():
-    lowered = _lower("for _ in tracer.all():\n    model.layers[0].output[0][:] += v", v=VEC)
-    assert lowered.relabel("ops[0] (add layers.0): the size is wrong") == ("the size is wrong", 11)
-    assert lowered.relabel("ops[0] (add layers.0.output) was not reached") == \
-        ("add layers.0.output was not reached", 11)
-    assert lowered.relabel("something else") == ("something else", None)
-    assert ast.parse("x = 1")  # (the module parses the block with ast: a syntax error never lowers)
 
 
 # ------------------------------------------------------------------ on the engine
@@ -430,7 +208,7 @@ def test_each_request_reports_how_its_blocks_ran(llama):
         ({"nnsight": steer}, "batched"),
         ({"nnsight": make_payload(_halve_every_step)}, "batched"),
         ({"nnsight": make_payload(_halve_every_step), "nnsight_lower": False}, "(nnsight_lower is off)"),
-        ({"nnsight": make_payload(_halve_if_positive)}, "(not one of the forms the engine batches)"),
+        ({"nnsight": make_payload(_halve_if_positive)}, ":195 (uses .norm of a module's value)"),
     ]
     outs = llama.vllm_entrypoint.generate(
         ["Hello"] * len(cases), [SamplingParams(max_tokens=3, extra_args=extra) for extra, _ in cases], use_tqdm=False)

@@ -1,10 +1,9 @@
 """Batched specs: declarative edits and reads applied for many requests at once.
 
-A spec whose operations are all edits (``add``/``scale``/``zero``/``set``) of
-whole rows at every step (``"steps": "all"``, no ``positions``) - a steering
-vector, an ablation - or whole-row reads (``read`` at ``prefill``, ``generated``
-or ``all`` steps) needs no block of its own: it is a fixed function of the
-request's rows. Such requests skip the greenlet; at each location an edit is
+A spec whose operations are all edits (``add``/``scale``/``zero``/``set``) and
+reads of modules (at any steps and positions) - a steering vector, an ablation, a
+capture - needs no block of its own: it is a fixed function of the request's
+rows. Such requests skip the greenlet; at each location an edit is
 applied once per distinct operation over the rows of every request that sent
 it (one kernel for a batch of 256 steered requests instead of 256 block
 switches), and a read copies the location to the host once per step (without
@@ -24,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..payload.spec import is_single
-from . import lanes, taps
+from . import arith, lanes, taps
 from .guards import check_writable
 from .host import host_copy, put_rows
 from .rowlog import RowLog
-from .spec_runner import _tensor, pick_index, read_value
+from .spec_runner import absolute_rows, pick_index, read_value
 
 if TYPE_CHECKING:
     from .interleave import Interleaver
@@ -39,17 +38,31 @@ READ_STEPS = ("prefill", "generated", "all")
 
 
 def _batchable(op: dict[str, Any]) -> bool:
-    if op.get("positions") is not None:
-        return False
-    if op["op"] in EDIT_OPS:
-        return op.get("steps") == "all"
-    return op["op"] == "read" and op.get("steps", "prefill") in READ_STEPS
+    return op["op"] in EDIT_OPS or op["op"] == "read"
 
 
 def eligible(env: dict[str, Any]) -> bool:
-    """Whether a spec can run batched (every op a whole-row edit at every step or a
-    whole-row read)."""
+    """Whether a spec can run batched: every op reads or edits a module (a
+    ``logits_topk`` runs per request)."""
     return env.get("kind") == "spec" and all(_batchable(op) for op in env["ops"])
+
+
+def replayable(env: dict[str, Any]) -> bool:
+    """Edits only, of whole rows at every step: a recomputed forward, a split prompt or
+    a prefix-cache hit computed under the same edits gets them again, row by row."""
+    return all(op["op"] in EDIT_OPS and op.get("steps") == "all" and op.get("positions") is None
+               for op in env["ops"])
+
+
+def last_step(env: dict[str, Any]) -> int | None:
+    """The spec's last step (None: it runs to the request's end)."""
+    last = 0
+    for op in env["ops"]:
+        steps = op.get("steps", "prefill")
+        if steps in ("all", "generated"):
+            return None
+        last = max(last, 0 if steps == "prefill" else max(steps))
+    return last
 
 
 def reads(env: dict[str, Any]) -> bool:
@@ -71,6 +84,7 @@ class Entry:
     op: dict[str, Any]
     number: int  # position in the spec (order within a location, error messages)
     block: int  # position of the spec among the request's blocks (edits first)
+    seq: int  # the op's first admission: identical ops share it; groups apply in this order
 
 
 class BatchedEdits:
@@ -88,21 +102,32 @@ class BatchedEdits:
         self._cover: tuple[int, bool] = (-1, False)
         self.stale = False  # a batched session ended or failed since the last prune
         self._fill_memo: tuple | None = None  # the last step's lane tables (see fill_lanes)
+        self._seqs: dict[int, tuple[dict[str, Any], int]] = {}  # id(op) -> (op, its seq)
+        self._next_seq = 0
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
         """Register a request's ops (applied in block then spec order per location)."""
         entries = []
         for op in env["ops"]:
-            if op["op"] == "read" and not is_single(op):
-                session.namespace[op["name"]] = session.keep(RowLog())  # one row block per step
+            if op["op"] == "read" and not is_single(op):  # one row block per step
+                session.namespace[op["name"]] = session.keep(RowLog(squeeze=isinstance(op.get("positions"), int)))
         for number, op in enumerate(env["ops"]):
             envoy = self.inter.envoy_at(op["module"])
             kind = op.get("io", "output")
             self.inter.check_module_access(op["module"], kind)
-            entries.append(((id(envoy._module), kind), Entry(session, op, number, block)))
+            entries.append(((id(envoy._module), kind), Entry(session, op, number, block, self._seq(op))))
         for key, entry in entries:  # all ops checked first: a refused spec registers nothing
             self.at[key].append(entry)
         self._version += 1
+
+    def _seq(self, op: dict[str, Any]) -> int:
+        """The op's admission number: a payload's parsed ops are shared by every request
+        that sent its text, so identical ops group under the first one's number."""
+        known = self._seqs.get(id(op))
+        if known is None or known[0] is not op:
+            known = self._seqs[id(op)] = (op, self._next_seq)
+            self._next_seq += 1
+        return known[1]
 
     def prune(self) -> None:
         """Drop entries of finished or failed requests (once one has ended: see
@@ -119,6 +144,8 @@ class BatchedEdits:
                 self.at[key] = alive
             else:
                 del self.at[key]
+        live = {id(e.op) for entries in self.at.values() for e in entries}
+        self._seqs = {k: v for k, v in self._seqs.items() if k in live}
 
     def apply(self, key: tuple, value: Any) -> None:
         """Apply every batched edit registered at ``key`` to this step's rows."""
@@ -146,7 +173,7 @@ class BatchedEdits:
             groups: dict[tuple, tuple[Entry, list[RequestSession]]] = {}
             for entry in self.at.get(key, ()):
                 if entry.session.active:
-                    gkey = (entry.block, entry.number, id(entry.op))
+                    gkey = (entry.block, entry.number, entry.seq)
                     groups.setdefault(gkey, (entry, []))[1].append(entry.session)
             cached = self._group_cache[key] = (self._version, [(g, *groups[g]) for g in sorted(groups)])
         return cached[1]
@@ -154,14 +181,22 @@ class BatchedEdits:
     @staticmethod
     def _pick(groups: list[tuple], layout: Any) -> list[tuple]:
         """This step's part of ``groups``: ``(gkey, entry, spans, sessions)`` for the
-        active sessions in the batch whose op is due at their step."""
+        active sessions in the batch whose op is due at their step; a span is the
+        session's ``(start, end)`` rows, or :class:`Rows` where the op picks positions."""
         spans_of = layout.spans
         out = []
         for gkey, entry, sessions in groups:
             spans, due = [], []
+            positions = entry.op.get("positions")
             for session in sessions:
                 span = spans_of.get(session.req_id)
                 if span is not None and session.active and _due(entry.op, session.step):
+                    if positions is not None:
+                        try:
+                            span = Rows(span[0] + r for r in absolute_rows(span[1] - span[0], positions))
+                        except IndexError as exc:
+                            session.fail(f"{_where(entry)}: {exc}")
+                            continue
                     spans.append(span)
                     due.append(session)
             if due:
@@ -217,7 +252,7 @@ class BatchedEdits:
                             lane.set_slot(slot, op["op"], value, float(op.get("factor", 1.0)))
                         lane.slot_keys = ops
                     tables.append((part, lane.set_rows([(start, end, slot) for slot, (_, _, spans, _)
-                                                        in enumerate(groups, 1) for start, end in spans])))
+                                                        in enumerate(groups, 1) for start, end in _flat(spans)])))
             except Exception as exc:  # noqa: BLE001 - a bad value ends the requests that sent it
                 for groups in edits.values():
                     for _, entry, _, sessions in groups:
@@ -342,17 +377,19 @@ class BatchedEdits:
         without waiting for it. A prefill read keeps a view of the request's rows; a
         per-step read notes where its rows are (:class:`.rowlog.RowLog`)."""
         check_structure(op, value)
-        last = max(end for _, end in spans)
         name = op["name"]
         once = is_single(op)
         if op.get("sum"):  # the residual stream: one tensor, summed on the device
             value = read_value(value, op)
+        if op.get("positions") is not None:  # the picked rows, gathered: then one span each
+            value, spans, num_tokens = _gathered(op, value, spans, num_tokens)
+        last = max(end for _, end in spans)
         if op.get("index") is None and isinstance(value, (tuple, list)):  # e.g. (hidden, residual)
             parts = [host_copy(_per_token_tensor({}, v, num_tokens)[:last]) if v is not None else None
                      for v in value]
             kind = type(value)
             for (start, end), session in zip(spans, sessions):
-                view = kind(p[start:end] if p is not None else None for p in parts)
+                view = kind(_view(p, start, end, op) if p is not None else None for p in parts)
                 if once:
                     session.namespace[name] = session.keep(view)
                 else:
@@ -362,7 +399,7 @@ class BatchedEdits:
         if once:
             rows = host_copy(rows)
             for (start, end), session in zip(spans, sessions):
-                session.namespace[name] = session.keep(rows[start:end])
+                session.namespace[name] = session.keep(_view(rows, start, end, op))
             return
         block, first = put_rows(rows)
         for (start, end), session in zip(spans, sessions):
@@ -372,7 +409,7 @@ class BatchedEdits:
         check_structure(op, value)
         value = _per_token_tensor(op, value, num_tokens)
         check_writable(value, f"{op['module']}.{op.get('io', 'output')}")
-        spans.sort()
+        spans = sorted(_flat(spans))
         start, end = spans[0][0], spans[-1][1]
         if sum(e - s for s, e in spans) == end - start:  # contiguous rows: one view
             rows: Any = slice(start, end)
@@ -380,27 +417,20 @@ class BatchedEdits:
         else:
             rows = torch.cat([torch.arange(s, e) for s, e in spans]).to(value.device, non_blocking=True)
             target = value.index_select(0, rows)
-        kind = op["op"]
-        if kind == "add":
-            target = target.add_(self._value(op, value)) if isinstance(rows, slice) else target + self._value(op, value)
-        elif kind == "scale":
-            target = target.mul_(op["factor"]) if isinstance(rows, slice) else target * op["factor"]
-        elif kind == "zero":
-            target = target.zero_()
-        else:  # set
-            target = target.copy_(self._value(op, value).expand_as(target))
+        operand = self._value(op, value) if "value" in op else None
+        arith.apply(op["op"], target, operand, op.get("factor", 1.0))  # (index_select made a copy)
         if not isinstance(rows, slice):
             value.index_copy_(0, rows, target)
 
-    def _value(self, op: dict[str, Any], like: torch.Tensor) -> torch.Tensor:
+    def _value(self, op: dict[str, Any], like: torch.Tensor) -> arith.Operand:
         """The op's value on the device, decoded once; one row, broadcast over the rows."""
         key = (id(op), like.dtype)
         cached = self._values.get(key)
         if cached is None or cached[0] is not op:
             if len(self._values) > 1024:
                 self._values.clear()
-            value = _tensor(op["value"], like)
-            if value.dim() > 1 and value.shape[0] != 1:
+            value = arith.operand(op["value"], like)
+            if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[0] != 1:
                 raise ValueError(f"the value (shape {tuple(value.shape)}) is not one row: it is added "
                                  "to every row of the request")
             cached = self._values[key] = (op, value)
@@ -440,7 +470,64 @@ def _where(entry: Entry) -> str:
 
 def _due(op: dict[str, Any], step: int) -> bool:
     steps = op.get("steps", "prefill")
-    return steps == "all" or (steps == "prefill") == (step == 0)
+    if steps == "all":
+        return True
+    if steps == "prefill":
+        return step == 0
+    if steps == "generated":
+        return step != 0
+    return step in _step_set(steps)
+
+
+_STEP_SETS: dict[int, tuple[list[int], frozenset[int]]] = {}
+
+
+def _step_set(steps: list[int]) -> frozenset[int]:
+    """An explicit step list as a set (once per list: a payload's ops are shared)."""
+    known = _STEP_SETS.get(id(steps))
+    if known is None or known[0] is not steps:
+        if len(_STEP_SETS) > 4096:
+            _STEP_SETS.clear()
+        known = _STEP_SETS[id(steps)] = (steps, frozenset(steps))
+    return known[1]
+
+
+class Rows(tuple):
+    """A request's rows an op picks with ``positions`` (row numbers in the batch)."""
+
+
+def _flat(spans: list[Any]) -> list[tuple[int, int]]:
+    """Spans and picked rows as ``(start, end)`` runs."""
+    out = []
+    for span in spans:
+        if isinstance(span, Rows):
+            out.extend((r, r + 1) for r in span)
+        else:
+            out.append(span)
+    return out
+
+
+def _gathered(op: dict[str, Any], value: Any, spans: list[Any], num_tokens: int) -> tuple[Any, list, int]:
+    """A read's picked rows of every request, gathered in request order: the value
+    to read, each request's span in it, and its row count."""
+    index = [r for span in spans for r in span]
+    local, at = [], 0
+    for span in spans:
+        local.append((at, at + len(span)))
+        at += len(span)
+
+    def pick(t: Any) -> Any:
+        t = _per_token_tensor({}, t, num_tokens)
+        return t.index_select(0, torch.tensor(index, device=t.device))
+
+    if isinstance(value, (tuple, list)):  # (every tensor: index picks one afterwards)
+        return type(value)(pick(v) if isinstance(v, torch.Tensor) else v for v in value), local, len(index)
+    return pick(value), local, len(index)
+
+
+def _view(rows: torch.Tensor, start: int, end: int, op: dict[str, Any]) -> torch.Tensor:
+    """A request's rows of a read; one picked position (an int) drops the row dimension."""
+    return rows[start] if isinstance(op.get("positions"), int) else rows[start:end]
 
 
 def _per_token_tensor(op: dict[str, Any], value: Any, num_tokens: int) -> torch.Tensor:

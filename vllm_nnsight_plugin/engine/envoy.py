@@ -62,11 +62,13 @@ class WorkerEnvoy:
                 f"submodules: {names}"
             ) from None
 
-    def __getitem__(self, index: int | str) -> WorkerEnvoy:
+    def __getitem__(self, index: int | slice | str) -> Any:
         keys = self._keys
         if keys is None:  # (a loaded model's tree does not change)
             keys = list(self._module._modules)
             object.__setattr__(self, "_keys", keys)
+        if isinstance(index, slice):  # model.layers[:4]: those layers' envoys
+            return [self._child(k) for k in keys[index]]
         if isinstance(index, int):
             try:
                 key = keys[index]

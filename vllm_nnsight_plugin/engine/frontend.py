@@ -102,8 +102,7 @@ def cache_salt(raw: Any, env: dict[str, Any] | None) -> str:
     Anything else gets a salt of its own: a read must see its prompt computed, and a
     block's edits depend on more than its text. (A spec that fails deterministically,
     e.g. a value of the wrong width, fails again for the next request with its text.)"""
-    if env is not None and not edits.INSTALLED and env["kind"] == "spec" and batched.eligible(env) \
-            and not batched.reads(env):
+    if env is not None and not edits.INSTALLED and env["kind"] == "spec" and batched.replayable(env):
         return _spec_salt(raw)
     return f"{SALT_PREFIX}{uuid.uuid4().hex}"
 

@@ -141,21 +141,20 @@ class Interleaver:
                 session.ran_as = "batched" if session.batched else "spec, per request" + \
                     ("" if batchable else " (an earlier block of the request runs as code)")
                 return session
-            lowered, values = self.lowerings.get(env, self._resolver(), self.check_module_access) \
-                if kept_code is None and batchable else (None, None)
-            if lowered is not None:
-                self._admit_spec(session, lowered.spec, index)
-                session.lowered = lowered
+            planned = self.lowerings.get(env, self.check_module_access, self.integer_inputs) \
+                if kept_code is None and batchable else None
+            if isinstance(planned, lower.Lowered):
+                self._admit_spec(session, planned.spec, index)
+                session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
+                session.lowered = planned
                 lower.STATS["lowered"] += 1
-            session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
-            if lowered is not None:
                 session.ran_as = "batched"
                 return session
-            why = kept_code or ("an earlier block of the request runs as code" if not batchable
-                                else "not one of the forms the engine batches")
-            session.ran_as = f"code: {env['filename']}:{env['lineno']} ({why})"
-            if values is None:
-                values = codec.load_code(env, self._resolver()).values
+            session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
+            line = planned.line if planned is not None else env["lineno"]
+            why = kept_code or ("an earlier block of the request runs as code" if not batchable else planned.why)
+            session.ran_as = f"code: {env['filename']}:{line} ({why})"
+            values = codec.load_code(env, self._resolver()).values
             session.namespace.update({k: self._to_device(v) for k, v in values.items()})
         except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
             session.fail(f"bad payload{' (' + label + ')' if label else ''}: {exc}")
@@ -195,6 +194,8 @@ class Interleaver:
             session.batched_reads = batched.reads(env)
             session.prefill_reads = batched.prefill_reads(env)
             session.prompt_only = batched.prompt_only(env)
+            session.last_step = batched.last_step(env)
+            session.replayable = batched.replayable(env)
             session.wait = Wait("step", 1 << 62)
             if self.eager:
                 for op in env["ops"]:
@@ -270,11 +271,11 @@ class Interleaver:
             self.results.setdefault(req_id, {})["error"] = engine_error(message)
 
     def stateless(self, req_id: str) -> bool:
-        """Only batched edits: a recompute or a split prompt gets them again, row by row.
-        (Not batched reads: their rows would come in pieces, or twice; unless the read
-        is over, its prompt rows shipped.)"""
+        """Only replayable batched edits (batched.replayable): a recompute or a split
+        prompt gets them again, row by row. (Not batched reads: their rows would come
+        in pieces, or twice; unless the read is over, its prompt rows shipped.)"""
         blocks = self.sessions.get(req_id)
-        return bool(blocks) and all((s.batched and s.active and not s.batched_reads) or s.read_and_shipped
+        return bool(blocks) and all((s.batched and s.active and s.replayable) or s.read_and_shipped
                                     for s in blocks)
 
     def preempted(self, req_id: str) -> None:
@@ -363,7 +364,8 @@ class Interleaver:
                 continue
             if req_id not in loud:
                 for session in blocks:
-                    if (session.prefill_reads and session.step == 0) if session.active else not session.final:
+                    if (session.prefill_reads and session.step == 0 or session.step == session.last_step) \
+                            if session.active else not session.final:
                         break
                 else:  # batched specs only, nothing to ship yet (per-step rows ship at the
                     # end; prompt reads right after the first step, while the request decodes;
@@ -371,7 +373,9 @@ class Interleaver:
                     for session in blocks:
                         if session.active:
                             session.step += 1
-                            if advanced is not None:
+                            if session.last_step is not None:
+                                advanced = None  # (it must stop at its last step: walk each step)
+                            elif advanced is not None:
                                 advanced.append(session)
                     continue
             advanced = None
@@ -389,8 +393,8 @@ class Interleaver:
                 session.step += 1
                 if req_id in finishing:
                     self._run(session, session.end)
-                elif session.prompt_only:  # its prompt rows ship now; later steps skip it
-                    session.over()
+                elif session.last_step is not None and session.step > session.last_step:
+                    session.over()  # its last step is done (prompt reads ship now); later steps skip it
             self._record(req_id)
             if not any(s.active for s in blocks):  # results shipped: no more per-step work
                 for session in blocks:

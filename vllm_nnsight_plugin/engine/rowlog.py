@@ -29,9 +29,10 @@ class RowLog:
     """Per-step rows of one request: runs of ``(host block, row numbers)`` and the
     number of rows each step gave; or, for values that are not one tensor, a list."""
 
-    __slots__ = ("counts", "_runs", "_items")
+    __slots__ = ("counts", "_runs", "_items", "squeeze")
 
-    def __init__(self) -> None:
+    def __init__(self, squeeze: bool = False) -> None:
+        self.squeeze = squeeze  # one row per step, given as a vector (a read of x[-1])
         self.counts: list[int] = []  # rows per step, in step order
         self._runs: list[tuple[torch.Tensor, array]] = []  # (block, its rows, in order)
         self._items: list[Any] | None = None  # per-step values that are not one tensor
@@ -86,7 +87,7 @@ class RowLog:
         flat = self._gather(None)
         out, offset = [], 0
         for n in self.counts:
-            out.append(flat[offset : offset + n])
+            out.append(flat[offset] if self.squeeze else flat[offset : offset + n])
             offset += n
         return out
 
@@ -114,4 +115,5 @@ class RowLog:
         if data:
             self._gather(torch.frombuffer(data, dtype=like.dtype).view(-1, *inner))
         return {"$tensors": {"dtype": tagged.dtype_name(like.dtype),
-                             "shapes": [[n, *inner] for n in self.counts], "data": data}}
+                             "shapes": [inner if self.squeeze else [n, *inner] for n in self.counts],
+                             "data": data}}

@@ -70,8 +70,21 @@ class Serving:
     assign: Callable[[Any], None]
 
 
-class _SaveRewriter(ast.NodeTransformer):
-    """``x.save()`` -> ``__nnsight_save__(x)``: save works on any object."""
+class _BlockRewriter(ast.NodeTransformer):
+    """``x.save()`` -> ``__nnsight_save__(x)``: save works on any object. And
+    nnsight's ``with`` spelling of a step loop (``with tracer.iter[0:3]:``, ``with
+    tracer.iter[:] as it:``, ``with tracer.all():``) -> the ``for`` loop it means:
+    the body runs at each of those steps, ``it`` the step number."""
+
+    def visit_With(self, node: ast.With) -> Any:
+        self.generic_visit(node)
+        if len(node.items) != 1 or not _is_step_loop(node.items[0].context_expr):
+            return node
+        target = node.items[0].optional_vars or ast.Name("__nnsight_step__", ast.Store())
+        if not isinstance(target, (ast.Name, ast.Tuple, ast.List, ast.Attribute, ast.Subscript)):
+            return node
+        return ast.copy_location(ast.For(target=target, iter=node.items[0].context_expr, body=node.body,
+                                         orelse=[]), node)
 
     def visit_Call(self, node: ast.Call) -> Any:
         self.generic_visit(node)
@@ -83,6 +96,15 @@ class _SaveRewriter(ast.NodeTransformer):
         return node
 
 
+def _is_step_loop(node: ast.expr) -> bool:
+    """``<name>.iter[...]`` or ``<name>.all()``."""
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.value, ast.Attribute) and node.value.attr == "iter" \
+            and isinstance(node.value.value, ast.Name)
+    return isinstance(node, ast.Call) and not node.args and not node.keywords \
+        and isinstance(node.func, ast.Attribute) and node.func.attr == "all" and isinstance(node.func.value, ast.Name)
+
+
 _CODE_CACHE: dict[tuple, Any] = {}
 
 
@@ -92,7 +114,7 @@ def compile_block(source: str, filename: str, lineno: int) -> Any:
     if code is None:
         tree = ast.parse(source, filename)
         ast.increment_lineno(tree, lineno - 1)
-        tree = ast.fix_missing_locations(_SaveRewriter().visit(tree))
+        tree = ast.fix_missing_locations(_BlockRewriter().visit(tree))
         code = compile(tree, filename, "exec")
         if len(_CODE_CACHE) > 256:
             _CODE_CACHE.clear()
@@ -147,6 +169,8 @@ class RequestSession:
     batched_reads: bool = False  # ...that reads: its saves ship when the request ends
     prefill_reads: bool = False  # ...at the prompt only: those ship after the first step
     prompt_only: bool = False  # ...and nothing else: the session is over after that step
+    last_step: int | None = None  # ...whose ops end at this step: over after it
+    replayable: bool = False  # ...of edits only, at every step, of whole rows (see batched.replayable)
     lowered: Any = None  # a code block run as its batched spec (lower.Lowered): maps errors to lines
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _on_device: bool = True  # the last off_host walk found a device tensor (to_host maps it)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..payload import spec as specmod
-from ..payload import values as tagged
+from . import arith
 from .guards import check_writable
 
 if TYPE_CHECKING:
@@ -21,27 +21,24 @@ if TYPE_CHECKING:
     from .session import RequestSession
 
 
-def _tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
-    if isinstance(value, dict):
-        t = tagged.decode_tensor(value["$tensor"])
-    else:
-        t = torch.as_tensor(value, dtype=torch.float32)
-    if not torch.isfinite(t).all():  # base64 bytes can hold what JSON numbers cannot
-        raise ValueError("the value holds NaN or inf")
-    return t.to(dtype=like.dtype, device=like.device)
-
-
-def _rows(value: torch.Tensor, positions: list[int] | None) -> Any:
+def _rows(value: torch.Tensor, positions: list[int] | int | None) -> Any:
+    """The request's rows that ``positions`` picks (an int: that row alone)."""
     if positions is None:
         return None
-    n = value.shape[0]
+    rows = absolute_rows(value.shape[0], positions)
+    return rows[0] if isinstance(positions, int) else torch.tensor(rows, device=value.device)
+
+
+def absolute_rows(n: int, positions: list[int] | int) -> list[int]:
+    """``positions`` (negative from the end) as row numbers among a request's ``n``
+    rows this step."""
     rows = []
-    for p in positions:
+    for p in [positions] if isinstance(positions, int) else positions:
         q = p + n if p < 0 else p
         if not 0 <= q < n:
             raise IndexError(f"position {p} is out of range: this step has {n} rows for the request")
         rows.append(q)
-    return torch.tensor(rows, device=value.device)
+    return rows
 
 
 def read_value(value: Any, op: dict[str, Any]) -> Any:
@@ -90,19 +87,11 @@ def _apply(inter: Interleaver, session: RequestSession, op: dict[str, Any], out:
         raise TypeError(f"{op['module']}.{op.get('io', 'output')} is a {type(value).__name__}: set 'index'")
     check_writable(value, f"{op['module']}.{op.get('io', 'output')}")
     rows = _rows(value, op.get("positions"))
-    target = value if rows is None else value[rows]
-    if kind == "add":
-        target = target + _tensor(op["value"], value)
-    elif kind == "scale":
-        target = target * op["factor"]
-    elif kind == "zero":
-        target = torch.zeros_like(target)
-    elif kind == "set":
-        target = _tensor(op["value"], value).expand_as(target)
+    operand = arith.operand(op["value"], value) if "value" in op else None
     if rows is None:
-        value.copy_(target)
+        arith.apply(kind, value, operand, op.get("factor", 1.0))
     else:
-        value[rows] = target
+        value[rows] = arith.apply(kind, value[rows], operand, op.get("factor", 1.0))
 
 
 def run_spec(model: Any, tracer: Any, *, ops: list[dict[str, Any]], session: RequestSession,

@@ -177,7 +177,9 @@ def _check_op(op: Any, i: int, max_width: int | None) -> None:
         op["index"] = c.integer("index", 0, 16)
     if "sum" in op and type(op["sum"]) is not bool:
         c.fail("sum", "must be true or false")
-    if op.get("positions") is not None:
+    if is_integer(op.get("positions")):
+        op["positions"] = int(op["positions"])
+    elif op.get("positions") is not None:
         op["positions"] = c.ints("positions", MAX_POSITIONS, None, None, allow_empty=True)
     if "steps" in op:
         if isinstance(op["steps"], list):

@@ -1,0 +1,220 @@
+"""Recording a code block into its plan (engine/record.py, engine/lower.py), on a
+toy module tree: what each spelling becomes, and what runs as code and why. The
+engine tests (test_lower.py, test_spellings.py) check the plans' values."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from vllm_nnsight_plugin import make_payload
+from vllm_nnsight_plugin.engine import batched
+from vllm_nnsight_plugin.engine.lower import Fallback, Lowered, Lowerings, output_structure, plan_block, recorder
+
+
+class Pair(torch.nn.Module):
+    """A decoder layer's shape: (hidden, residual)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Plain()
+        self.mlp = Unannotated()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+class Plain(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class Unannotated(torch.nn.Module):
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return x
+
+
+class Toy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Pair(), Pair(), Pair()])
+        self.head = Plain()
+        self.tied = Plain()
+        self.also_tied = self.tied  # one module under two paths (shared weights)
+
+
+TOY = Toy()
+SHARED = frozenset({id(TOY.tied)})
+VEC = torch.ones(8)
+
+
+def _plan(source: str, **values) -> Lowered | Fallback:
+    rec, resolve = recorder(TOY, torch.float32, SHARED)
+    return plan_block(rec, textwrap.dedent(source), "<block>", 10,
+                      {"model": resolve(("model",)), "tracer": resolve(("tracer",)), **values})
+
+
+def _ops(source: str, **values) -> list[dict]:
+    found = _plan(source, **values)
+    assert isinstance(found, Lowered), found
+    assert batched.eligible(found.spec)
+    return found.spec["ops"]
+
+
+def test_annotations_give_each_modules_output_structure():
+    assert output_structure(Pair) == 2 and output_structure(Plain) == 0
+    assert output_structure(Unannotated) is None
+    assert output_structure(torch.nn.Linear) == 0
+
+
+STEER_ALL = {"op": "add", "module": "layers.0", "index": 0, "structure": 2, "value": [1.0] * 8, "steps": "all"}
+
+
+@pytest.mark.parametrize("source", [
+    "for _ in tracer.all():\n    model.layers[0].output[0][:] += v",
+    "for _ in tracer.iter[:]:\n    model.layers[0].output[0][:] += v",
+    "with tracer.all():\n    model.layers[0].output[0][:] += v",
+    "with tracer.iter[:] as it:\n    model.layers[0].output[0][:] += v",
+    "LAYER = 0\nfor step in tracer.all():\n    model.layers[LAYER].output[0][:] += v",
+    "def steer(layer, vec):\n    layer.output[0][:] += vec\nfor _ in tracer.all():\n    steer(model.layers[0], v)",
+    "layers = model.layers\nfor _ in tracer.all():\n    h = layers[0].output[0]\n    h += v",
+    "for _ in tracer.all():\n    model.layers[0].output[0][:] = model.layers[0].output[0] + v",
+    "for _ in tracer.all():\n    model.layers[0].output[0][:] -= -v",
+    "for _ in tracer.all():\n    hidden, residual = model.layers[0].output\n    hidden[:] += v",
+    "for _ in tracer.all():\n    for layer in model.layers[:1]:\n        layer.output[0][:] += v",
+])
+def test_spellings_of_one_steering_record_one_op(source):
+    assert _ops(source, v=VEC) == [STEER_ALL]
+
+
+def test_bounded_loops_unroll_into_one_op_with_its_steps():
+    steps = {"op": "add", "module": "layers.0", "index": 0, "structure": 2, "value": [1.0] * 8}
+    assert _ops("for s in tracer.iter[:3]:\n    model.layers[0].output[0][:] += v", v=VEC) == \
+        [{**steps, "steps": [0, 1, 2]}]
+    assert _ops("with tracer.iter[2:6:2]:\n    model.layers[0].output[0][:] += v", v=VEC) == \
+        [{**steps, "steps": [2, 4]}]
+    assert _ops("for s in tracer.iter[1:]:\n    model.layers[0].output[0][:] += v", v=VEC) == \
+        [{**steps, "steps": "generated"}]
+    assert _ops("model.layers[0].output[0][:] += v", v=VEC) == [{**steps, "steps": "prefill"}]
+    # the step number steers Python: each step records what it did
+    assert _ops("for s in tracer.iter[:4]:\n    if s % 2 == 0:\n        model.layers[0].output[0][:] += v",
+                v=VEC) == [{**steps, "steps": [0, 2]}]
+    # tracer.all() after a bounded loop starts at that loop's last step, as in a block
+    assert _ops("for s in tracer.iter[:2]:\n    model.layers[1].output[0][:] *= 2\n"
+                "for s in tracer.all():\n    model.layers[0].output[0][:] += v", v=VEC)[1]["steps"] == "generated"
+
+
+def test_reads_are_saved_values_and_saved_lists():
+    assert _ops("x = model.layers[1].output[0].save()") == [
+        {"op": "read", "name": "x", "module": "layers.1", "index": 0, "structure": 2, "steps": "prefill"}]
+    assert _ops("""
+        out = model.layers[0].output
+        s = (out[0] + out[1]).save()
+        h = model.layers[1].attn.output.clone().save()
+        last = model.layers[2].output[0][-1].save()
+        both = model.layers[2].output.save()
+        """) == [{"op": "read", "name": "s", "module": "layers.0", "sum": True, "structure": 2, "steps": "prefill"},
+                 {"op": "read", "name": "h", "module": "layers.1.attn", "structure": 0, "steps": "prefill"},
+                 {"op": "read", "name": "last", "module": "layers.2", "index": 0, "structure": 2, "positions": -1,
+                  "steps": "prefill"},
+                 {"op": "read", "name": "both", "module": "layers.2", "structure": 2, "steps": "prefill"}]
+    every = {"op": "read", "module": "layers.1", "index": 1, "structure": 2}
+    assert _ops("rows = list().save()\nfor step in tracer.iter[:]:\n    rows.append(model.layers[1].output[1])") \
+        == [{**every, "name": "rows", "steps": "all"}]
+    assert _ops("rows = []\nwith tracer.iter[0:3]:\n    rows.append(model.layers[1].output[1].clone())\n"
+                "rows = rows.save()") == [{**every, "name": "rows", "steps": [0, 1, 2]}]
+    # a list saved before the loop is the saved one; saved after it, a copy of what it held
+    assert _ops("rows = []\nfor _ in tracer.all():\n    rows.append(model.layers[1].output[1])\n"
+                "stream = rows.save()") == [{**every, "name": "stream", "steps": "all"}]
+
+
+def test_what_a_plan_cannot_hold_runs_as_code_naming_line_and_why():
+    cases = {
+        "h = model.layers[0].output[0]\nif h.norm() > 0:\n    h[:] *= 0.5": (11, "uses .norm"),
+        "x = model.layers[0].output[0]\nn = x.sum().item()": (11, "uses .sum"),
+        "h = model.layers[0].output[0]\nh[:] = torch.relu(h)": (11, "passes a module's value to torch (relu)"),
+        "print(1)\nx = model.layers[0].output[0].save()": (10, "calls print()"),
+        "x = model.layers[0].output[0].save()\nimport not_a_loaded_module": (11, "imports not_a_loaded_module"),
+        "for _ in tracer.all():\n    model.tied.output[:] += v": (11, "two paths"),
+        "x = model.layers[0].mlp.output[0].save()": (10, "does not say whether"),
+        "l = model.logits.save()": (10, "model.logits"),
+        "for _ in tracer.all():\n    model.layers[0].output[0][:] += v\n"
+        "    model.layers[0].output[1][:] += v\n    y = model.layers[1].output[0]\n"
+        "x = model.layers[0].output[0].save()": (14, "after an open-ended step loop"),
+        "for _ in tracer.all():\n    if _ > 2:\n        pass": (11, "step number of an open-ended"),
+        "for _ in tracer.all():\n    for _ in tracer.iter[:2]:\n        pass": (11, "inside a step loop"),
+        "for s in tracer.iter[:2]:\n    x = model.layers[0].output[0].save()": (11, "after the prompt"),
+        "for _ in tracer.all():\n    model.layers[0].output[0][:] += v\n    break": (12, "leaves an open-ended"),
+        "x = model.layers[0].output[0].save()\nfor _ in tracer.all():\n    model.layers[0].output[0][:] += v":
+            (10, "beside an edit"),
+        "for _ in tracer.all():\n    model.layers[0].output[0][:] += w": (11, "torch.float64"),
+        "for _ in tracer.all():\n    model.layers[0].output[0][:] *= 1e999": (11, "not finite"),
+        "x = model.layers[5].output[0].save()": (10, "raised IndexError"),
+        "while True:\n    pass": (10, "while being recorded"),
+        "for s in tracer.iter[:5000]:\n    pass": (10, "more than 4096 steps"),
+        "model.layers[0].output = (v, v)": (10, "assigns layers.0.output"),
+        "y = model.layers[0].output[0][:, 3].save()": (10, "a plan picks whole rows"),
+        "try:\n    x = model.layers[0].output[0].tolist()\nexcept Exception:\n    pass": (11, "uses .tolist"),
+    }
+    for source, (line, why) in cases.items():
+        found = _plan(source, v=VEC, w=VEC.double(), torch=torch)
+        assert isinstance(found, Fallback), source
+        assert why in found.why and found.line == line, (source, found)
+
+
+def test_names_the_caller_had_are_rebound_by_the_block():
+    """The client ships every name the block mentions that its frame has (a second
+    run of a cell has the first run's ``rows`` and ``stream``): the block rebinds them."""
+    ops = _ops("rows = []\nfor _ in tracer.all():\n    rows.append(model.layers[0].output[0].clone())\n"
+               "stream = rows.save()", rows=[1], stream=torch.zeros(1), _=3)
+    assert [op["name"] for op in ops] == ["stream"]
+
+
+def test_an_envoy_the_caller_made_names_its_module():
+    rec, resolve = recorder(TOY, torch.float32, SHARED)
+    found = plan_block(rec, "x = layer.output[0].save()", "<block>", 1, {"layer": resolve(("envoy", "layers.1"))})
+    assert found.spec["ops"][0]["module"] == "layers.1"
+
+
+BIG = torch.ones(20_000)  # 80 KB: its payload is over the plan cache's size
+
+
+def _steer_toy(model, tracer):
+    for _ in tracer.all():
+        model.layers[0].output[0][:] += VEC
+
+
+def _steer_toy_big(model, tracer):
+    for _ in tracer.all():
+        model.layers[0].output[0][:] += BIG
+
+
+def test_plans_are_cached_by_payload_text_unless_large():
+    lowerings = Lowerings(TOY, torch.float32)
+
+    def serves(path: str, kind: str) -> None:
+        pass
+
+    env = json.loads(make_payload(_steer_toy))
+    first = lowerings.get(env, serves)
+    assert isinstance(first, Lowered) and lowerings.get(env, serves) is first  # one spec: its ops batch
+    big = json.loads(make_payload(_steer_toy_big))
+    one, two = lowerings.get(big, serves), lowerings.get(big, serves)
+    assert isinstance(one, Lowered) and isinstance(two, Lowered) and two is not one
+
+    def untapped(path: str, kind: str) -> None:
+        raise ValueError("not tapped")
+
+    refused = Lowerings(TOY, torch.float32).get(env, untapped)
+    assert isinstance(refused, Fallback) and "not tapped" in refused.why  # the block says it itself
+
+
+def test_a_plans_error_names_the_blocks_line():
+    found = _plan("for _ in tracer.all():\n    model.layers[0].output[0][:] += v", v=VEC)
+    assert found.relabel("ops[0] (add layers.0): the size is wrong") == ("the size is wrong", 11)
+    assert found.relabel("ops[0] (add layers.0.output) was not reached") == \
+        ("add layers.0.output was not reached", 11)
+    assert found.relabel("something else") == ("something else", None)
