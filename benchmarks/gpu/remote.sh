@@ -3,6 +3,7 @@
 # and this package, then runs what is asked:
 #   bash benchmarks/gpu/remote.sh tests      parity/taps tests on CUDA (NNSIGHT_GPU_TESTS picks files)
 #   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
+#   bash benchmarks/gpu/remote.sh user_way [--reps N]   one trace, 256 invokes, default settings + taps
 #   bash benchmarks/gpu/remote.sh profile [--taps] [--v1] [every_token_spec ...]
 #   bash benchmarks/gpu/remote.sh anchors     nnsight 0.8.1 taps (anchor harness) + stock graphs
 #   bash benchmarks/gpu/remote.sh stage       only stage (then STAGED=1 for runs side by side)
@@ -51,6 +52,8 @@ case "$what" in
     tail -3 "$OUT"/tests-v*.out ;;
   headline)
     python3 benchmarks/gpu/headline.py "$@" 2>&1 | tee "$OUT/headline.log" ;;
+  user_way)
+    OUT="$OUT" python3 benchmarks/gpu/user_way.py "$@" 2>&1 | tee "$OUT/user_way.log" ;;
   anchors)  # row 6 beside a stock-with-graphs reference (needs a bundle built with ANCHORS=1)
     # ANCHORS_GPU=i: the harness ends leftover GPU processes after each step; only on GPU i
     # (another job may run on the other GPU)

@@ -1,0 +1,184 @@
+"""The headline workload written the way a researcher writes it (run on the lent H200).
+
+One ``model.trace()`` with N ``tracer.invoke``s, nnsight's code verbatim (a named
+layer constant, ``for step in tracer.iter[:OLEN]``, ``tracer.iter[:]``), fresh
+prompts every round, ``VLLM(path, taps=[...])`` with vLLM's default engine
+settings (chunked prefill and prefix caching on), beside stock vLLM with CUDA
+graphs on the same prompts in the same run. Each engine lives in its own process;
+a round runs every workload once, and ratios are taken per round. Output tokens
+are counted from the outputs; any request that ended in an error, or did not run
+as the batched plan, fails the run.
+
+    python3 benchmarks/gpu/user_way.py --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import headline  # noqa: E402  (the model's config and size)
+
+LAYER = 8
+OLEN = headline.OLEN  # (a block's names travel by value: an int, not the module)
+TAP = [f"model.layers.{LAYER}.output"]
+SAMPLING = {"temperature": 0.8, "top_p": 0.95, "max_tokens": OLEN, "ignore_eos": True}
+WORKLOADS = {"stock": ["plain"], "plugin": ["plain", "prefill", "every_token", "steer"]}
+STEER = None  # set in the child: a bf16 vector of the model's width
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 32000) for _ in range(headline.PLEN)] for _ in range(headline.N)]
+
+
+def prefill(model: Any, prompts: list[list[int]]) -> list[Any]:
+    with model.trace(**SAMPLING) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                out = model.model.layers[LAYER].output
+                stream = (out[0] + out[1]).save()  # noqa: F841
+    return tracer.outputs
+
+
+def every_token(model: Any, prompts: list[list[int]]) -> list[Any]:
+    with model.trace(**SAMPLING) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                stream = list().save()
+                for step in tracer.iter[:OLEN]:  # noqa: B007
+                    out = model.model.layers[LAYER].output
+                    stream.append(out[0] + out[1])
+    return tracer.outputs
+
+
+def steer(model: Any, prompts: list[list[int]]) -> list[Any]:
+    with model.trace(**SAMPLING) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                for step in tracer.iter[:]:  # noqa: B007
+                    model.model.layers[LAYER].output[0][:] += STEER
+    return tracer.outputs
+
+
+def _check(name: str, outputs: list[Any]) -> int:
+    """Output tokens produced; raises if any request erred or ran otherwise than batched."""
+    tokens = 0
+    for out in outputs:
+        if getattr(out, "nnsight_error", None) or out.outputs[0].stop_reason == "nnsight_error":
+            raise RuntimeError(f"{name}: request {out.request_id} ended in an error: {out.nnsight_error}")
+        if name != "plain" and out.ran_as != "batched":
+            raise RuntimeError(f"{name}: request {out.request_id} ran as {out.ran_as!r}")
+        tokens += len(out.outputs[0].token_ids)
+    if name == "prefill":
+        assert outputs[0].saves["stream"].shape[0] == headline.PLEN
+    if name == "every_token":
+        assert len(outputs[0].saves["stream"]) == OLEN
+    return tokens
+
+
+def child(kind: str, memory: float) -> None:
+    """Start the engine, warm each workload up at full batch, then answer one timed
+    rep per line on stdin ("workload seed")."""
+    global STEER
+    import torch
+    from vllm import LLM, SamplingParams
+
+    STEER = torch.full((headline.HIDDEN,), 0.01, dtype=torch.bfloat16)
+    engine = {"load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16", "max_model_len": 1024,
+              "gpu_memory_utilization": memory, "seed": 0}
+    t0 = time.time()
+    if kind == "stock":
+        llm = LLM(model=headline.MODEL, **engine)
+        params = SamplingParams(**SAMPLING, detokenize=False)
+
+        def plain(prompts: list[list[int]]) -> list[Any]:
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+        runs = {"plain": plain}
+    else:
+        from vllm_nnsight_plugin import VLLM
+
+        model = VLLM(headline.MODEL, taps=TAP, dispatch=True, **engine)
+        params = SamplingParams(**SAMPLING, detokenize=False)
+
+        def plain(prompts: list[list[int]]) -> list[Any]:  # untraced traffic on the taps engine
+            return model.vllm_entrypoint.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                  use_tqdm=False)
+
+        runs = {"plain": plain, "prefill": lambda p: prefill(model, p),
+                "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p)}
+    init = time.time() - t0
+    for name, run in runs.items():
+        _check(name, run(prompts_for(7)))  # warm-up at full batch
+    print("READY " + json.dumps({"init_s": init, "workloads": list(runs)}), flush=True)
+    for line in sys.stdin:
+        name, _, seed = line.strip().partition(" ")
+        if not name:
+            break
+        prompts = prompts_for(int(seed))
+        t = time.time()
+        outputs = runs[name](prompts)
+        took = time.time() - t
+        print("TIME " + json.dumps({"s": took, "tokens": _check(name, outputs)}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--memory", type=float, default=0.4)
+    parser.add_argument("--child")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.memory)
+        return
+    headline.make_config()
+    out_dir = os.environ.get("OUT", ".")
+    procs = {}
+    for kind in ("stock", "plugin"):
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", VLLM_NNSIGHT_DISABLE="1" if kind == "stock" else "0")
+        err = open(os.path.join(out_dir, f"user_way-{kind}.stderr"), "w")
+        proc = subprocess.Popen([sys.executable, __file__, "--child", kind, "--memory", str(args.memory)], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+        ready = headline._reply(proc, "READY")
+        print(f"{kind} ready in {ready['init_s']:.0f}s", flush=True)
+        procs[kind] = (proc, ready["workloads"])
+    rounds: list[dict[str, dict]] = []
+    for rnd in range(args.reps):
+        seed = 1000 * (rnd + 1)  # fresh prompts each round, the same for every workload of the round
+        times = {}
+        for kind, (proc, workloads) in procs.items():
+            for name in workloads:
+                proc.stdin.write(f"{name} {seed}\n")
+                proc.stdin.flush()
+                times[f"{kind}:{name}"] = headline._reply(proc, "TIME")
+        rounds.append(times)
+        base = times["stock:plain"]
+        print(f"round {rnd + 1}: " + ", ".join(f"{k} {v['tokens'] / v['s']:,.0f} tok/s "
+                                                f"({base['s'] / v['s'] * v['tokens'] / base['tokens']:.2f})"
+                                                for k, v in times.items()), flush=True)
+    for proc, _ in procs.values():
+        proc.stdin.close()
+        proc.wait(timeout=120)
+    names = list(rounds[0])
+    table = {n: {"tok_s": statistics.median(r[n]["tokens"] / r[n]["s"] for r in rounds),
+                 "ratio": statistics.median(r[n]["tokens"] / r[n]["s"] / (r["stock:plain"]["tokens"]
+                                                                          / r["stock:plain"]["s"]) for r in rounds)}
+             for n in names}
+    print("\n| workload (user's code) | tok/s | ratio to stock graphs |\n|---|---:|---:|")
+    for n, row in table.items():
+        print(f"| {n} | {row['tok_s']:,.0f} | {row['ratio']:.2f} |")
+    with open(os.path.join(out_dir, "user_way.json"), "w") as fh:
+        json.dump({"rounds": rounds, "table": table}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
