@@ -251,3 +251,19 @@ def test_batched_reads_at_every_step_equal_hugging_face(llama, hf_llama):
         assert_close(saves["stream"][0], ref[:n])
         for k in range(1, 5):
             torch.testing.assert_close(saves["stream"][k], saves["hidden"][k] + saves["residual"][k])
+
+
+def test_a_step_range_covering_the_whole_request_runs_as_every_step():
+    """tracer.iter[:n] with max_tokens=n records steps 0..n-1: for such a request that
+    is every step (the steady-batch shortcuts apply); a shorter range stays as it is,
+    and requests of one spec and length share the same ops."""
+    _, inter = _toy()
+    ops = [{"op": "scale", "module": "layers.0", "factor": 0.5, "steps": [0, 1, 2]},
+           {"op": "read", "name": "h", "module": "layers.0", "steps": [1, 2]},
+           {"op": "scale", "module": "layers.0", "factor": 2.0, "steps": [0, 2]}]
+    env = {"v": 1, "kind": "spec", "ops": ops}
+    three = inter.batched.for_request(env, 3)
+    assert [op["steps"] for op in three["ops"]] == ["all", "generated", [0, 2]]
+    assert inter.batched.for_request(env, 3) is three and three["ops"][2] is ops[2]
+    assert inter.batched.for_request(env, 4)["ops"][0]["steps"] == [0, 1, 2]
+    assert inter.batched.for_request(env, None) is env

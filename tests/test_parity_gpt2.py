@@ -54,20 +54,24 @@ def test_steering_gpt2(gpt2, hf_gpt2):
     assert_close(logits[0], ref[-1])
 
 
-def test_chunked_prefill_gives_a_clear_per_request_error(gpt2):
+def test_a_code_block_on_a_split_prompt_gets_a_clear_per_request_error(gpt2):
+    """A block that runs as code sees its prompt in one step: a prompt longer than the
+    whole token budget cannot be, so that request ends naming the setting; a plan
+    (below) gathers the chunks instead."""
     long = " ".join(["One two three four five six seven eight nine ten."] * 12)
     with pytest.raises(InterventionError, match="chunked prefill"):
         with gpt2.trace(long, temperature=0.0):
-            gpt2.transformer.h[0].output.save()
+            h = gpt2.transformer.h[0].output
+            if h.norm() > 0:  # control flow on a value: runs as code
+                h.save()
     plain = gpt2.vllm_entrypoint.generate([long], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert len(plain.prompt_token_ids) > 64 and len(plain.outputs[0].token_ids) == 2
-    # a batched read too: its prompt rows would otherwise arrive in pieces (never silently partial)
     read = json.dumps({"v": 1, "kind": "spec", "ops": [
-        {"op": "read", "name": "h", "module": "transformer.h.0", "index": 0, "steps": "all"}]})
+        {"op": "read", "name": "h", "module": "transformer.h.0", "steps": "all"}]})
     out = gpt2.vllm_entrypoint.generate([long], SamplingParams(max_tokens=2, extra_args={"nnsight": read}),
                                         use_tqdm=False)[0]
-    with pytest.raises(InterventionError, match="chunked prefill"):
-        results(out)
+    steps = results(out)["h"]
+    assert [t.shape[0] for t in steps] == [len(out.prompt_token_ids), 1]
 
 
 def test_a_tensor_valued_layer_is_indexed_as_the_block_indexes_it(gpt2):
@@ -119,3 +123,61 @@ def test_traced_prompts_are_scheduled_whole_under_chunked_prefill(gpt2, hf_gpt2)
         rec.logits()
         assert value.shape[0] == len(ids)
         assert_close(value, rec.records["h1"])
+
+
+def test_plans_read_and_edit_prompts_split_by_chunked_prefill(gpt2, hf_gpt2):
+    """Three prompts longer than the engine's token budget (64) in one trace: chunked
+    prefill splits every one of them. Each block runs as its plan, chunk by chunk: a
+    prompt read returns every row in order, positions count from the prompt's start
+    (rows in different chunks), a prompt-only edit and a last-row edit apply where the
+    block put them; all equal Hugging Face."""
+    prompts = [" ".join([f"Sentence {i} says one two three four five six seven."] * 8) for i in range(3)]
+    v = torch.linspace(-1, 1, 128)
+    with gpt2.trace(temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
+        with tracer.invoke(prompts[0]):
+            h = gpt2.transformer.h[1].output.save()
+            last = gpt2.transformer.h[2].output[-1].save()
+            two = gpt2.transformer.h[2].mlp.output[[0, 70]].save()
+        with tracer.invoke(prompts[1]):
+            rows = list().save()
+            for step in tracer.iter[:3]:  # noqa: B007 - nnsight's own spelling
+                gpt2.transformer.h[0].output[-1] += v
+                rows.append(gpt2.transformer.h[3].output)
+        with tracer.invoke(prompts[2]):
+            gpt2.transformer.h[1].output[:] += v
+            s = gpt2.transformer.h[3].output.save()
+    outs = tracer.outputs
+    assert [o.ran_as for o in outs] == ["batched"] * 3
+    assert all(len(o.prompt_token_ids) > 70 for o in outs)  # each one split: the budget is 64
+
+    def hf(out, edit=None):
+        p = len(out.prompt_token_ids)
+        run = HFRun(hf_gpt2, list(out.prompt_token_ids) + list(out.outputs[0].token_ids))
+        if edit is not None:
+            run.edit(*edit(p))
+        run.record("h1", hf_gpt2.transformer.h[1]).record("h2", hf_gpt2.transformer.h[2])
+        run.record("mlp2", hf_gpt2.transformer.h[2].mlp).record("h3", hf_gpt2.transformer.h[3])
+        logits = run.logits()
+        assert list(out.outputs[0].token_ids) == [int(t) for t in logits[p - 1: p + 2].argmax(-1)]
+        return run.records, p
+
+    rec, p = hf(outs[0])
+    assert h.shape[0] == p
+    assert_close(h, rec["h1"][:p])
+    assert last.dim() == 1
+    assert_close(last, rec["h2"][p - 1])
+    assert_close(two, rec["mlp2"][[0, 70]])
+
+    def last_rows(p):
+        return hf_gpt2.transformer.h[0], lambda t: t + (torch.arange(t.shape[1]) >= p - 1)[None, :, None] * v
+
+    rec, p = hf(outs[1], last_rows)
+    assert [r.shape[0] for r in rows] == [p, 1, 1]
+    for got, want in zip(rows, [rec["h3"][:p], rec["h3"][p:p + 1], rec["h3"][p + 1:p + 2]]):
+        assert_close(got, want)
+
+    def prompt_rows(p):
+        return hf_gpt2.transformer.h[1], lambda t: t + (torch.arange(t.shape[1]) < p)[None, :, None] * v
+
+    rec, p = hf(outs[2], prompt_rows)
+    assert_close(s, rec["h3"][:p])

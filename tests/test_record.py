@@ -218,3 +218,13 @@ def test_a_plans_error_names_the_blocks_line():
     assert found.relabel("ops[0] (add layers.0.output) was not reached") == \
         ("add layers.0.output was not reached", 11)
     assert found.relabel("something else") == ("something else", None)
+
+
+def test_a_recording_off_the_main_thread_is_bounded_too():
+    import threading
+
+    found = []
+    thread = threading.Thread(target=lambda: found.append(_plan("while True:\n    pass")))
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and isinstance(found[0], Fallback) and "while being recorded" in found[0].why

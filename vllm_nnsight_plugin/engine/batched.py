@@ -103,6 +103,7 @@ class BatchedEdits:
         self.stale = False  # a batched session ended or failed since the last prune
         self._fill_memo: tuple | None = None  # the last step's lane tables (see fill_lanes)
         self._seqs: dict[int, tuple[dict[str, Any], int]] = {}  # id(op) -> (op, its seq)
+        self._for_request: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}  # see for_request
         self._next_seq = 0
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
@@ -119,6 +120,31 @@ class BatchedEdits:
         for key, entry in entries:  # all ops checked first: a refused spec registers nothing
             self.at[key].append(entry)
         self._version += 1
+
+    def for_request(self, env: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+        """The spec as it runs for a request of ``max_tokens`` steps: an op whose
+        explicit steps are every step from 0 (or 1) to the request's last means "all"
+        ("generated"), so ``tracer.iter[:n]`` with ``max_tokens=n`` runs as
+        ``tracer.all()`` does (the steady-batch shortcuts need no per-step check).
+        Cached per (spec, max_tokens): requests of one spec still share its ops."""
+        if not max_tokens or not any(isinstance(op.get("steps"), list) for op in env["ops"]):
+            return env
+        key = (id(env), max_tokens)
+        known = self._for_request.get(key)
+        if known is not None and known[0] is env:
+            return known[1]
+        ops = []
+        for op in env["ops"]:
+            steps = op.get("steps")
+            if isinstance(steps, list) and steps and steps[0] in (0, 1) and steps[-1] >= max_tokens - 1 \
+                    and steps == list(range(steps[0], steps[-1] + 1)):
+                op = {**op, "steps": "all" if steps[0] == 0 else "generated"}
+            ops.append(op)
+        if len(self._for_request) > 1024:
+            self._for_request.clear()
+        out = {**env, "ops": ops}
+        self._for_request[key] = (env, out)
+        return out
 
     def _seq(self, op: dict[str, Any]) -> int:
         """The op's admission number: a payload's parsed ops are shared by every request
@@ -183,7 +209,7 @@ class BatchedEdits:
         """This step's part of ``groups``: ``(gkey, entry, spans, sessions)`` for the
         active sessions in the batch whose op is due at their step; a span is the
         session's ``(start, end)`` rows, or :class:`Rows` where the op picks positions."""
-        spans_of = layout.spans
+        spans_of, chunks = layout.spans, layout.chunks
         out = []
         for gkey, entry, sessions in groups:
             spans, due = [], []
@@ -192,11 +218,15 @@ class BatchedEdits:
                 span = spans_of.get(session.req_id)
                 if span is not None and session.active and _due(entry.op, session.step):
                     if positions is not None:
+                        chunk = chunks.get(session.req_id) if chunks and session.step == 0 else None
                         try:
-                            span = Rows(span[0] + r for r in absolute_rows(span[1] - span[0], positions))
+                            span = Rows(span[0] + r for r in absolute_rows(span[1] - span[0], positions)) \
+                                if chunk is None else _chunk_rows(span, positions, chunk)
                         except IndexError as exc:
                             session.fail(f"{_where(entry)}: {exc}")
                             continue
+                        if not span:
+                            continue  # (its positions lie in another chunk of the prompt)
                     spans.append(span)
                     due.append(session)
             if due:
@@ -268,7 +298,9 @@ class BatchedEdits:
             self.laned[key] = (parts, code, reads)
             filled[key] = (parts, code, reads, tables, read_parts)
         spans = layout.spans
-        steady = steady and not any(e.session.step == 0 and e.session.req_id in spans
+        # (an op due at some steps only may be due now and not next step: never reuse then)
+        steady = steady and not any((e.session.step == 0 and e.session.req_id in spans)
+                                    or isinstance(e.op.get("steps"), list)
                                     for entries in self.at.values() for e in entries)
         # (a layout's spans are never changed once published: keep the dict itself)
         self._fill_memo = (self._version, layout.num_tokens, layout.spans, filled) if steady else None
@@ -384,7 +416,19 @@ class BatchedEdits:
         if op.get("positions") is not None:  # the picked rows, gathered: then one span each
             value, spans, num_tokens = _gathered(op, value, spans, num_tokens)
         last = max(end for _, end in spans)
+        chunks = self.inter.layout.chunks if self.inter.layout is not None else None
         if op.get("index") is None and isinstance(value, (tuple, list)):  # e.g. (hidden, residual)
+            if chunks and any(s.req_id in chunks and s.step == 0 for s in sessions):
+                kept = []
+                for span, session in zip(spans, sessions):
+                    if session.req_id in chunks and session.step == 0:
+                        session.fail(f"{op['module']}: a read of a whole tuple cannot gather a prompt "
+                                     "split by chunked prefill; read one element (index) or the sum")
+                    else:
+                        kept.append((span, session))
+                if not kept:
+                    return
+                spans, sessions = [k[0] for k in kept], [k[1] for k in kept]
             parts = [host_copy(_per_token_tensor({}, v, num_tokens)[:last]) if v is not None else None
                      for v in value]
             kind = type(value)
@@ -396,6 +440,9 @@ class BatchedEdits:
                     session.namespace[name].append(view)  # shipped when the request ends
             return
         rows = _per_token_tensor(op, value, num_tokens)[:last]
+        if chunks and any(s.req_id in chunks and s.step == 0 for s in sessions):
+            self._read_chunks(op, rows, spans, sessions, chunks)
+            return
         if once:
             rows = host_copy(rows)
             for (start, end), session in zip(spans, sessions):
@@ -404,6 +451,23 @@ class BatchedEdits:
         block, first = put_rows(rows)
         for (start, end), session in zip(spans, sessions):
             session.namespace[name].add(block, first + start, first + end)
+
+    @staticmethod
+    def _read_chunks(op: dict[str, Any], rows: torch.Tensor, spans: list[tuple[int, int]],
+                     sessions: list[RequestSession], chunks: dict[str, tuple[int, int, bool]]) -> None:
+        """A read in a step where some prompts come in chunks: every request's rows go
+        to a host block; a later chunk's rows continue its prompt's step, and a read of
+        the prompt alone is one tensor of every chunk's rows (:class:`.rowlog.RowLog`)."""
+        block, first = put_rows(rows)
+        name, once = op["name"], is_single(op)
+        for (start, end), session in zip(spans, sessions):
+            chunk = chunks.get(session.req_id) if session.step == 0 else None
+            log = session.namespace.get(name)
+            if once and not isinstance(log, RowLog):
+                log = session.namespace[name] = RowLog(squeeze=isinstance(op.get("positions"), int), single=True)
+            log.add(block, first + start, first + end, cont=chunk is not None and chunk[0] > 0)
+            if once:
+                session.keep(log)  # (shipped again as it grows)
 
     def _apply_one(self, op: dict[str, Any], value: Any, spans: list[tuple[int, int]], num_tokens: int) -> None:
         check_structure(op, value)
@@ -490,6 +554,13 @@ def _step_set(steps: list[int]) -> frozenset[int]:
             _STEP_SETS.clear()
         known = _STEP_SETS[id(steps)] = (steps, frozenset(steps))
     return known[1]
+
+
+def _chunk_rows(span: tuple[int, int], positions: list[int] | int, chunk: tuple[int, int, bool]) -> Rows:
+    """The rows of ``positions`` (counted in the whole prompt) in this chunk of it."""
+    computed, prompt_len, _ = chunk
+    rows = absolute_rows(prompt_len, positions)
+    return Rows(span[0] + q - computed for q in rows if computed <= q < computed + span[1] - span[0])
 
 
 class Rows(tuple):

@@ -48,7 +48,8 @@ class Interleaver:
         self.root = WorkerEnvoy(model, "", self)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
-        self.lowerings = lower.Lowerings(model, compat.model_dtype(vllm_config))  # code blocks run as specs
+        # code blocks are recorded into plans
+        self.lowerings = lower.Lowerings(model, compat.model_dtype(vllm_config), self.watchdog.limit_s)
         self.batched = batched.BatchedEdits(self)
         self.finite = isolation.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
@@ -86,6 +87,8 @@ class Interleaver:
         # (batched.stale) advances those sessions without walking the batch.
         self._epoch = 0
         self._quiet: tuple[int, dict, list[RequestSession]] | None = None
+        self._chunks: dict[str, tuple[int, int, bool]] = {}  # prompts split this step (see prompt_split)
+        self._max_tokens: int | None = None  # of the request being admitted
 
     # ------------------------------------------------------------ admission
     def admit(self, req_id: str, extra_args: dict[str, Any] | None, params: Any = None) -> None:
@@ -97,6 +100,7 @@ class Interleaver:
         kept_code = "nnsight_lower is off" if not lower.wanted(extra.get(compat.LOWER_KEY, True)) else \
             "its saves stream per step" if extra.get(compat.STREAM_KEY) else None  # why blocks stay code
         blocks: list[RequestSession] = []
+        self._max_tokens = getattr(params, "max_tokens", None)  # (plans' step ranges are read against it)
         for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY)):
             blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
                                         batchable=all(b.batched for b in blocks), kept_code=kept_code))
@@ -189,6 +193,7 @@ class Interleaver:
         guards.refuse_integer_writes(env, self.integer_inputs)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
         if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
+            env = self.batched.for_request(env, self._max_tokens)
             self.batched.add(session, env, batch_index)
             session.batched = True
             session.batched_reads = batched.reads(env)
@@ -290,7 +295,15 @@ class Interleaver:
             )
 
     def prompt_split(self, req_id: str, prompt_len: int, computed: int, scheduled: int) -> None:
-        """Chunked prefill (or a prefix-cache hit) split a traced prompt across steps."""
+        """Chunked prefill (or a prefix-cache hit) split a traced prompt across steps.
+        A request whose blocks all run batched plans takes it chunk by chunk: its step
+        stays the prompt's until the last chunk, edits apply to each chunk's rows,
+        positions count from the prompt's start, and prompt reads gather every chunk."""
+        blocks = self.sessions.get(req_id, ())
+        if any(s.active for s in blocks) and all(s.batched for s in blocks if s.active):
+            self._chunks[req_id] = (computed, prompt_len, computed + scheduled < prompt_len)
+            self._epoch += 1  # (no steady-batch shortcut while a prompt is in chunks)
+            return
         if not self.stateless(req_id):
             self.fail_request(
                 req_id,
@@ -313,6 +326,7 @@ class Interleaver:
         """Fill the lanes of batched specs, start new blocks and wake blocks waiting
         for this step."""
         self.layout = layout
+        layout.chunks, self._chunks = self._chunks, {}
         self.batched.fill_lanes(layout)
         coded = self.coded  # (batched specs have no block to start or wake)
         for req_id in layout.spans if coded else ():
@@ -370,8 +384,11 @@ class Interleaver:
                 else:  # batched specs only, nothing to ship yet (per-step rows ship at the
                     # end; prompt reads right after the first step, while the request decodes;
                     # a spec that is over was recorded when it ended)
+                    more = layout.chunks.get(req_id, (0, 0, False))[2]  # (its prompt's step goes on)
+                    if more:
+                        advanced = None
                     for session in blocks:
-                        if session.active:
+                        if session.active and not more:
                             session.step += 1
                             if session.last_step is not None:
                                 advanced = None  # (it must stop at its last step: walk each step)
@@ -390,7 +407,8 @@ class Interleaver:
                         "(accesses must follow execution order) or vLLM never called that module "
                         "(e.g. lm_head is applied inside compute_logits: use model.logits)"
                     )
-                session.step += 1
+                if not layout.chunks.get(req_id, (0, 0, False))[2]:
+                    session.step += 1
                 if req_id in finishing:
                     self._run(session, session.end)
                 elif session.last_step is not None and session.step > session.last_step:

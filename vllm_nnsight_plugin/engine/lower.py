@@ -98,8 +98,10 @@ def recorder(model: torch.nn.Module, dtype: torch.dtype, shared: frozenset[int])
     return rec, resolve
 
 
-def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: dict[str, Any]) -> Lowered | Fallback:
-    """Record the block (its values loaded through :func:`recorder`'s resolver)."""
+def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: dict[str, Any],
+               seconds: float = record.RECORD_TIME_S) -> Lowered | Fallback:
+    """Record the block (its values loaded through :func:`recorder`'s resolver), for
+    at most ``seconds``."""
     from .session import compile_block
 
     try:
@@ -107,7 +109,7 @@ def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: d
     except Exception:  # noqa: BLE001 - a syntax error: code reports it
         return Fallback("it does not compile", lineno)
     try:
-        namespace = record.run_block(rec, code, values, lineno)
+        namespace = record.run_block(rec, code, values, lineno, seconds)
         return _assemble(rec, namespace)
     except Unrecordable as exc:
         return Fallback(exc.why, exc.line or lineno)
@@ -211,8 +213,11 @@ class Lowerings:
     """An engine's plans, cached by payload text: requests sending one block share
     one spec, so their ops batch by identity, and a hit records nothing."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, code_time_limit_s: float = 0.0):
         self.model, self.dtype = model, dtype
+        # a recording takes at most the server's code time limit (a block would too)
+        self.seconds = min(record.RECORD_TIME_S, code_time_limit_s) if code_time_limit_s > 0 \
+            else record.RECORD_TIME_S
         self._cache: dict[tuple, Lowered | Fallback] = {}
         self._shared: frozenset[int] | None = None
 
@@ -233,7 +238,7 @@ class Lowerings:
             return self._cache[key]
         rec, resolve = recorder(self.model, self.dtype, self.shared())
         values = codec.load_code(env, resolve).values
-        found = plan_block(rec, env["source"], env["filename"], env["lineno"], values)
+        found = plan_block(rec, env["source"], env["filename"], env["lineno"], values, self.seconds)
         if isinstance(found, Lowered):
             for op, line in zip(found.spec["ops"], found.lines):
                 try:

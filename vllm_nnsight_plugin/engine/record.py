@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ctypes
 import signal
 import sys
 import threading
@@ -363,7 +364,7 @@ class RecTensor(_Value):
             if not key or any(k != slice(None) and k is not Ellipsis for k in key[1:]):
                 self._rec.fail(f"indexes a module's value with {key!r} (a plan picks whole rows)")
             key = key[0]
-        if key == slice(None) or key is Ellipsis:
+        if key is Ellipsis or (isinstance(key, slice) and key == slice(None)):
             return self
         if self._positions is not None:
             self._rec.fail("picks rows of rows")
@@ -533,9 +534,18 @@ def _refuse_call(rec: Recorder, what: str) -> Any:
 
 @contextlib.contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
-    """Interrupt a recording that runs too long (the main thread only: signals)."""
+    """Interrupt a recording that runs too long: a signal on the main thread (it also
+    ends a sleep), else an exception set asynchronously on this thread."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        ident = threading.get_ident()
+        timer = threading.Timer(seconds, lambda: ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(ident), ctypes.py_object(_TooLong)))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
         return
 
     def on_alarm(signum: int, frame: Any) -> None:
@@ -550,19 +560,21 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_block(rec: Recorder, code: Any, values: dict[str, Any], lineno: int) -> dict[str, Any]:
-    """Run the block's code against the proxies in ``values``: its namespace after."""
+def run_block(rec: Recorder, code: Any, values: dict[str, Any], lineno: int,
+              seconds: float = RECORD_TIME_S) -> dict[str, Any]:
+    """Run the block's code against the proxies in ``values``: its namespace after.
+    ``seconds``: how long the recording may run."""
     rec.code = code
     namespace = dict(values)
     namespace["__nnsight_save__"] = rec.save
     namespace["__builtins__"] = _builtins(rec)
     try:
-        with _deadline(RECORD_TIME_S):
+        with _deadline(seconds):
             exec(code, namespace)  # noqa: S102 - the block, against proxies (code payloads are opt-in)
     except Unrecordable:
         pass
     except _TooLong:
-        raise Unrecordable(f"it ran for more than {RECORD_TIME_S:g} s while being recorded", lineno) from None
+        raise Unrecordable(f"it ran for more than {seconds:g} s while being recorded", lineno) from None
     except Exception as exc:  # noqa: BLE001 - the block's own error: code reports it at its line
         tb = exc.__traceback__
         line = None

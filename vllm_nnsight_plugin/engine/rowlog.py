@@ -10,7 +10,11 @@ buffer that leaves the worker. To the client it is the same list of per-step
 tensors as before (``{"$tensors"}``, see :mod:`..payload.values`).
 
 A value that is not one tensor per step (a tuple such as ``(hidden, residual)``
-read without ``index``) is kept as a list of per-step views, as before.
+read without ``index``) is kept as a list of per-step views.
+
+A prompt split by chunked prefill gives its rows over several engine steps: each
+chunk continues the prompt's step (``add(..., cont=True)``), and a read of the
+prompt alone (``single``) is one tensor of all of them, in order.
 """
 
 from __future__ import annotations
@@ -29,16 +33,18 @@ class RowLog:
     """Per-step rows of one request: runs of ``(host block, row numbers)`` and the
     number of rows each step gave; or, for values that are not one tensor, a list."""
 
-    __slots__ = ("counts", "_runs", "_items", "squeeze")
+    __slots__ = ("counts", "_runs", "_items", "squeeze", "single")
 
-    def __init__(self, squeeze: bool = False) -> None:
+    def __init__(self, squeeze: bool = False, single: bool = False) -> None:
         self.squeeze = squeeze  # one row per step, given as a vector (a read of x[-1])
+        self.single = single  # the prompt's rows only: one tensor, not a list
         self.counts: list[int] = []  # rows per step, in step order
         self._runs: list[tuple[torch.Tensor, array]] = []  # (block, its rows, in order)
         self._items: list[Any] | None = None  # per-step values that are not one tensor
 
-    def add(self, block: torch.Tensor, start: int, end: int) -> None:
-        """This step's rows are ``block[start:end]``."""
+    def add(self, block: torch.Tensor, start: int, end: int, cont: bool = False) -> None:
+        """This step's rows are ``block[start:end]`` (``cont``: more rows of the step
+        added last, a later chunk of its prompt)."""
         if self._items is not None:
             raise TypeError("the read's value changed from a tuple to one tensor between steps")
         runs = self._runs
@@ -49,7 +55,10 @@ class RowLog:
             rows.append(start)
         else:
             rows.extend(range(start, end))
-        self.counts.append(end - start)
+        if cont and self.counts:
+            self.counts[-1] += end - start
+        else:
+            self.counts.append(end - start)
 
     def append(self, value: Any) -> None:
         """This step's value, kept as it is (not one tensor)."""
@@ -74,6 +83,8 @@ class RowLog:
 
     def count(self) -> int:
         """Leaf values, as a list of the per-step values would count them."""
+        if self.single:
+            return 1
         if self._items is not None:
             return sum(1 for _ in leaves(self._items))
         return len(self.counts)
@@ -107,6 +118,9 @@ class RowLog:
     def __nnsight_encode__(self, binary: bool) -> Any:
         """The result form of the per-step list: one ``$tensors`` buffer, gathered
         straight into it (read after :func:`.host.wait`)."""
+        if self.single:
+            flat = self._gather(None)
+            return tagged.encode(flat[0] if self.squeeze else flat, binary)
         like = self._like()
         if like is None or len(self.counts) < 2 or not binary:
             return tagged.encode(self.tensors(), binary)

@@ -3,7 +3,7 @@ publish, narrowing a module value to one request's rows, and assigning into them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,9 @@ class StepLayout:
     sampled: Any = None  # this step's sampled token ids (device tensor), once sampled
     sampled_cpu: list | None = None
     logits_seen: bool = False
+    # requests whose prompt is split this step (batched plans): req_id -> (rows of the
+    # prompt computed before this step, prompt length, whether more chunks follow)
+    chunks: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
 
     def sampled_token(self, req_id: str) -> int:
         """This step's token for a request (one device-to-host copy per step, on demand)."""
