@@ -36,6 +36,12 @@ class BlockSource:
     statements: tuple[ast.stmt, ...]
     as_name: str | None = None  # ``with ... as NAME``: bound only after __enter__
 
+    @property
+    def empty(self) -> bool:
+        """A body of only ``pass`` and ``...``: nothing to run (a plain request)."""
+        return all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+                   for s in self.statements)
+
 
 _CACHE: dict[tuple, BlockSource] = {}
 _TREES: dict[tuple, ast.Module] = {}

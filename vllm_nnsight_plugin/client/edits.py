@@ -45,13 +45,13 @@ class Edit:
             raise RuntimeError("on an async engine use: await edit.aclear() (a blocking call "
                                "here would stall the engine's event loop)")
         if self.installed:
-            self.model.vllm_entrypoint.collective_rpc("nnsight_clear_edits", args=([self.id],))
+            self.model._engine().collective_rpc("nnsight_clear_edits", args=([self.id],))
             self._forget()
 
     async def aclear(self) -> None:
         """:meth:`clear` on an async engine."""
         if self.installed:
-            await self.model.vllm_entrypoint.collective_rpc("nnsight_clear_edits", args=([self.id],))
+            await self.model._engine().collective_rpc("nnsight_clear_edits", args=([self.id],))
             self._forget()
 
     def _forget(self) -> None:
@@ -98,7 +98,7 @@ class EditContext(_Capturing):
             raise RuntimeError("on an async engine use: async with model.edit(...) as (tracer, edit)")
         args = self._install_args()
         try:
-            self.model.vllm_entrypoint.collective_rpc("nnsight_install_edit", args=args)
+            self.model._engine().collective_rpc("nnsight_install_edit", args=args)
         except Exception:
             self._installed(False)
             raise
@@ -115,7 +115,7 @@ class EditContext(_Capturing):
             return False
         args = self._install_args()
         try:
-            await self.model.vllm_entrypoint.collective_rpc("nnsight_install_edit", args=args)
+            await self.model._engine().collective_rpc("nnsight_install_edit", args=args)
         except Exception:
             self._installed(False)
             raise

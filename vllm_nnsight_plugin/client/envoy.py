@@ -40,9 +40,15 @@ class Envoy:
             )
         return Envoy(path, self._tree)
 
-    def __getitem__(self, index: int) -> Envoy:
-        if self._tree is not None and isinstance(index, int) and index < 0:
-            index += len(self)
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):  # model.layers[:4]: those modules' envoys
+            return [self.__getattr__(c) for c in self._children()[index]]
+        if self._tree is not None and isinstance(index, int):
+            n = len(self)
+            if not -n <= index < n:
+                raise IndexError(f"{self._path or 'model'} index {index} is out of range: it holds {n} modules "
+                                 f"(indices 0 to {n - 1}, or -{n} to -1)")
+            index %= n
         return self.__getattr__(str(index))
 
     def __len__(self) -> int:

@@ -178,12 +178,12 @@ class VLLM(Envoy):
 
         if self.mode == "async":
             raise RuntimeError("on an async engine use: await model.aengine_stats()")
-        return engine_utility(self.vllm_entrypoint, "nnsight_stats")
+        return engine_utility(self._engine(), "nnsight_stats")
 
     async def aengine_stats(self) -> dict[str, Any]:
         from ..engine.compat import engine_utility_async
 
-        return await engine_utility_async(self.vllm_entrypoint, "nnsight_stats")
+        return await engine_utility_async(self._engine(), "nnsight_stats")
 
     @property
     def dispatched(self) -> bool:
@@ -191,6 +191,13 @@ class VLLM(Envoy):
 
     @property
     def vllm_entrypoint(self) -> Any:
+        """The engine (``vllm.LLM``, or ``AsyncLLM`` with ``mode="async"``); None before
+        dispatch, as in nnsight: reading it starts nothing (``dispatch()`` or the first
+        trace does)."""
+        return self._llm
+
+    def _engine(self) -> Any:
+        """The engine, started if it is not yet."""
         return self.dispatch()._llm
 
     @property
@@ -224,7 +231,7 @@ class VLLM(Envoy):
         batch = prompts[0] if len(prompts) == 1 and isinstance(prompts[0], list) and prompts[0] \
             and not isinstance(prompts[0][0], int) else list(prompts)
         params = SamplingParams(**sampling_kwargs(sampling, {}, None))
-        outputs = self.vllm_entrypoint.generate([to_prompt(p) for p in batch], params, use_tqdm=False)
+        outputs = self._engine().generate([to_prompt(p) for p in batch], params, use_tqdm=False)
         for output in outputs:
             _attach(output)
         return outputs
@@ -280,7 +287,10 @@ class VLLM(Envoy):
         if taps is not None:
             check_taps(block.statements, roots, taps, block.filename)
 
-    def _payload(self, inv: Invoke) -> str:
+    def _payload(self, inv: Invoke) -> str | None:
+        """The invoke's code payload; None for an empty body (a plain request)."""
+        if inv.block.empty:
+            return None
         return codec.encode_code(
             codec.CodePayload(inv.block.source, inv.block.filename, inv.block.lineno, inv.values)
         )
@@ -297,11 +307,12 @@ class VLLM(Envoy):
         self._check_paths(invokes, self._tree)
         kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
         extra = dict(kw.pop("extra_args", None) or {})
-        extra[codec.PAYLOAD_KEY] = self._payload(inv)
+        if self._payload(inv) is not None:
+            extra[codec.PAYLOAD_KEY] = self._payload(inv)
         if stream_saves:
             extra[STREAM_KEY] = 1
         params = SamplingParams(**kw, extra_args=extra)
-        return AsyncBackend(self.vllm_entrypoint, to_prompt(inv.prompt), params, _attach)
+        return AsyncBackend(self._engine(), to_prompt(inv.prompt), params, _attach)
 
     def _run_invokes(self, invokes: list[Invoke], trace_sampling: dict[str, Any],
                      serve: tuple[str, str | None] | None = None) -> list[Any]:
@@ -315,10 +326,12 @@ class VLLM(Envoy):
         for inv in invokes:
             kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
             extra = dict(kw.pop("extra_args", None) or {})
-            extra[codec.PAYLOAD_KEY] = self._payload(inv)
-            params.append(SamplingParams(**kw, extra_args=extra))
+            payload = self._payload(inv)
+            if payload is not None:
+                extra[codec.PAYLOAD_KEY] = payload
+            params.append(SamplingParams(**kw, extra_args=extra or None))
             prompts.append(to_prompt(inv.prompt))
-        outputs = self.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
+        outputs = self._engine().generate(prompts, params, use_tqdm=False)
         for output in outputs:
             _attach(output)
         return outputs

@@ -37,6 +37,11 @@ class ServeError(RuntimeError):
         super().__init__(f"HTTP {status}: {message}")
 
 
+class ServerUnreachable(ConnectionError):
+    """No answer from the server (refused, unresolvable, timed out): a
+    ``ConnectionError``, as callers catch it."""
+
+
 @dataclass
 class ServedCompletion:
     """The parts of vLLM's ``CompletionOutput`` an HTTP response carries."""
@@ -87,6 +92,9 @@ class Connection:
             except (ValueError, AttributeError):
                 pass
             raise ServeError(exc.code, text) from None
+        except (urllib.error.URLError, OSError) as exc:  # (HTTPError, a URLError, is answered above)
+            reason = getattr(exc, "reason", exc)
+            raise ServerUnreachable(f"cannot reach the vLLM server at {self.url}: {reason}") from None
 
     def model_name(self) -> str:
         return self.request("GET", "/v1/models")["data"][0]["id"]
@@ -97,16 +105,17 @@ class Connection:
         return {path: cls for path, cls in body["tree"]}, body.get("taps")
 
 
-def completion_body(model_name: str, prompt: Any, sampling: dict[str, Any], payload: str) -> dict[str, Any]:
+def completion_body(model_name: str, prompt: Any, sampling: dict[str, Any], payload: str | None) -> dict[str, Any]:
     unknown = sorted(set(sampling) - SAMPLING_FIELDS - {"extra_args"})
     if unknown:
         raise TypeError(f"unknown sampling keyword(s) for a served trace: {', '.join(unknown)}")
     xargs = dict(sampling.pop("extra_args", None) or {})
-    xargs[codec.PAYLOAD_KEY] = payload
+    if payload is not None:  # (None: an empty body, a plain request)
+        xargs[codec.PAYLOAD_KEY] = payload
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
     return {"model": model_name, "prompt": prompt, "return_token_ids": True,
-            "vllm_xargs": xargs, **sampling}
+            **({"vllm_xargs": xargs} if xargs else {}), **sampling}
 
 
 def to_output(resp: dict[str, Any]) -> ServedOutput:

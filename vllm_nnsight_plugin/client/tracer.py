@@ -43,8 +43,9 @@ class _Capturing:
         values = gather_values(frame, block.names)
         if block.as_name and block.as_name in block.names:
             values[block.as_name] = self
-        self._skipper = BodySkipper(frame, block.lineno)
-        self._skipper.arm()
+        if not block.empty:  # (an empty body runs here as the no-op it is)
+            self._skipper = BodySkipper(frame, block.lineno)
+            self._skipper.arm()
         return block, values
 
     def _release(self) -> None:

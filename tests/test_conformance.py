@@ -1,0 +1,63 @@
+"""nnsight's VLLM behaviours that researchers' code relies on (issue: conformance):
+with-forms of step loops, empty bodies, the engine not started by reading an
+attribute, the error types people catch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close
+
+from vllm_nnsight_plugin import VLLM
+
+
+def test_reading_the_entrypoint_starts_no_engine(llama_path):
+    model = VLLM(llama_path, dtype="float32")
+    assert model.vllm_entrypoint is None and not model.dispatched
+
+
+def test_an_unreachable_server_raises_a_connection_error(llama_path):
+    model = VLLM(llama_path, dtype="float32")
+    with pytest.raises(ConnectionError, match="cannot reach the vLLM server at http://127.0.0.1:9"):
+        with model.trace("Hello", serve="http://127.0.0.1:9", max_tokens=1):
+            model.model.layers[0].output.save()
+
+
+def test_an_out_of_range_module_index_names_the_range(llama):
+    with pytest.raises(IndexError, match=r"model.layers index 7 is out of range: it holds 4 modules \(indices 0 to 3"):
+        llama.model.layers[7]
+    assert llama.model.layers[-1]._path == "model.layers.3"
+    assert [e._path for e in llama.model.layers[1:3]] == ["model.layers.1", "model.layers.2"]
+
+
+def test_empty_bodies_are_plain_requests(llama):
+    with llama.trace(temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+        with tracer.invoke("Hello"):
+            pass
+        with tracer.invoke("Hello"):
+            ...
+    with llama.trace("Hello", temperature=0.0, max_tokens=2, ignore_eos=True) as single:
+        pass
+    outs = [*tracer.outputs, *single.outputs]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2, 2]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1 and all(o.ran_as is None for o in outs)
+
+
+def test_with_forms_of_step_loops_mean_the_for_forms_also_as_code(llama):
+    """``with tracer.iter[0:2]:`` and ``with tracer.all():`` run their body at each of
+    those steps, as plans and as code (nnsight_lower off), with the same values."""
+    got = {}
+    for lower in (True, False):
+        extra = {} if lower else {"extra_args": {"nnsight_lower": False}}
+        with llama.trace("Hello world", temperature=0.0, max_tokens=3, ignore_eos=True, **extra) as tracer:
+            first = list().save()
+            every = list().save()
+            with tracer.iter[0:2] as step:  # noqa: F841
+                first.append(llama.model.layers[1].output[0].clone())
+            with tracer.all():
+                every.append(llama.model.layers[2].output[0].clone())
+        assert [len(first), len(every)] == [2, 2]  # (tracer.all() goes on from the step the block is at: 1)
+        got[lower] = (first, every, tracer.outputs[0].ran_as)
+    assert got[True][2] == "batched" and got[False][2].endswith("(nnsight_lower is off)")
+    for a, b in zip(got[True][0] + got[True][1], got[False][0] + got[False][1]):
+        assert_close(a, b, tol=0.0) if not torch.cuda.is_available() else assert_close(a, b, tol=1e-5)
