@@ -31,7 +31,7 @@ LAYER = 8
 OLEN = headline.OLEN  # (a block's names travel by value: an int, not the module)
 TAP = [f"model.layers.{LAYER}.output"]
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "max_tokens": OLEN, "ignore_eos": True}
-WORKLOADS = {"stock": ["plain"], "plugin": ["plain", "prefill", "every_token", "steer"]}
+WORKLOADS = {"stock": ["plain"], "stock2": ["plain"], "plugin": ["plain", "prefill", "every_token", "steer"]}
 STEER = None  # set in the child: a bf16 vector of the model's width
 
 
@@ -96,7 +96,7 @@ def child(kind: str, memory: float) -> None:
     engine = {"load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16", "max_model_len": 1024,
               "gpu_memory_utilization": memory, "seed": 0}
     t0 = time.time()
-    if kind == "stock":
+    if kind.startswith("stock"):
         llm = LLM(model=headline.MODEL, **engine)
         params = SamplingParams(**SAMPLING, detokenize=False)
 
@@ -134,7 +134,9 @@ def child(kind: str, memory: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--memory", type=float, default=0.4)
+    parser.add_argument("--memory", type=float, default=0.3)
+    parser.add_argument("--engines", default="stock,stock2,plugin",
+                        help="stock2: a second stock engine, to show how far two identical engines differ")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
@@ -143,8 +145,9 @@ def main() -> None:
     headline.make_config()
     out_dir = os.environ.get("OUT", ".")
     procs = {}
-    for kind in ("stock", "plugin"):
-        env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", VLLM_NNSIGHT_DISABLE="1" if kind == "stock" else "0")
+    for kind in args.engines.split(","):
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING",
+                   VLLM_NNSIGHT_DISABLE="1" if kind.startswith("stock") else "0")
         err = open(os.path.join(out_dir, f"user_way-{kind}.stderr"), "w")
         proc = subprocess.Popen([sys.executable, __file__, "--child", kind, "--memory", str(args.memory)], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
@@ -155,7 +158,8 @@ def main() -> None:
     for rnd in range(args.reps):
         seed = 1000 * (rnd + 1)  # fresh prompts each round, the same for every workload of the round
         times = {}
-        for kind, (proc, workloads) in procs.items():
+        order = list(procs.items())
+        for kind, (proc, workloads) in order if rnd % 2 == 0 else order[::-1]:  # (alternating who goes first)
             for name in workloads:
                 proc.stdin.write(f"{name} {seed}\n")
                 proc.stdin.flush()
@@ -169,13 +173,19 @@ def main() -> None:
         proc.stdin.close()
         proc.wait(timeout=120)
     names = list(rounds[0])
+
+    def ratio(n: str, base: str) -> float:  # median over rounds of the same round's ratio
+        return statistics.median((r[n]["tokens"] / r[n]["s"]) / (r[base]["tokens"] / r[base]["s"]) for r in rounds)
+
     table = {n: {"tok_s": statistics.median(r[n]["tokens"] / r[n]["s"] for r in rounds),
-                 "ratio": statistics.median(r[n]["tokens"] / r[n]["s"] / (r["stock:plain"]["tokens"]
-                                                                          / r["stock:plain"]["s"]) for r in rounds)}
+                 "ratio": ratio(n, "stock:plain"),
+                 "ratio_untraced": ratio(n, "plugin:plain") if n.startswith("plugin") else None}
              for n in names}
-    print("\n| workload (user's code) | tok/s | ratio to stock graphs |\n|---|---:|---:|")
+    print("\n| workload (user's code) | tok/s | ratio to stock graphs | ratio to the same engine untraced |"
+          "\n|---|---:|---:|---:|")
     for n, row in table.items():
-        print(f"| {n} | {row['tok_s']:,.0f} | {row['ratio']:.2f} |")
+        own = "" if row["ratio_untraced"] is None else f"{row['ratio_untraced']:.2f}"
+        print(f"| {n} | {row['tok_s']:,.0f} | {row['ratio']:.2f} | {own} |")
     with open(os.path.join(out_dir, "user_way.json"), "w") as fh:
         json.dump({"rounds": rounds, "table": table}, fh, indent=1)
 
