@@ -131,6 +131,12 @@ def test_reads_are_saved_values_and_saved_lists():
                 "stream = rows.save()") == [{**every, "name": "stream", "steps": "all"}]
 
 
+def test_logits_reads_are_a_plan_of_their_own():
+    assert _ops("l = model.logits.save()") == [{"op": "logits", "name": "l", "steps": "prefill"}]
+    assert _ops("ls = list().save()\nfor _ in tracer.iter[:4]:\n    ls.append(model.logits)") == [
+        {"op": "logits", "name": "ls", "steps": [0, 1, 2, 3]}]
+
+
 def test_what_a_plan_cannot_hold_runs_as_code_naming_line_and_why():
     cases = {
         "h = model.layers[0].output[0]\nif h.norm() > 0:\n    h[:] *= 0.5": (11, "uses .norm"),
@@ -140,7 +146,8 @@ def test_what_a_plan_cannot_hold_runs_as_code_naming_line_and_why():
         "x = model.layers[0].output[0].save()\nimport not_a_loaded_module": (11, "imports not_a_loaded_module"),
         "for _ in tracer.all():\n    model.tied.output[:] += v": (11, "two paths"),
         "x = model.layers[0].mlp.output[0].save()": (10, "does not say whether"),
-        "l = model.logits.save()": (10, "model.logits"),
+        "model.logits[:] = 0": (10, "edits model.logits"),
+        "s = model.samples.save()": (10, "uses model.samples"),
         "for _ in tracer.all():\n    model.layers[0].output[0][:] += v\n"
         "    model.layers[0].output[1][:] += v\n    y = model.layers[1].output[0]\n"
         "x = model.layers[0].output[0].save()": (14, "after an open-ended step loop"),

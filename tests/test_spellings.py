@@ -65,7 +65,17 @@ def read_an_input(model, tracer):
     x = model.model.layers[2].mlp.input.save()  # noqa: F841
 
 
+def read_logits(model, tracer):
+    logits = model.logits.save()  # noqa: F841
+
+
 # ------------------------------------------------------------------ every-step capture
+
+def capture_logits_every_step(model, tracer):
+    logits = list().save()
+    for step in tracer.iter[:]:  # noqa: B007 - nnsight's own spelling
+        logits.append(model.logits)
+
 
 def capture_iter_bounded(model, tracer):
     rows = list().save()
@@ -215,8 +225,8 @@ def lens_over_layers(model, tracer):
     hs = hs.save()
 
 
-def read_logits(model, tracer):
-    logits = model.logits.save()  # noqa: F841
+def argmax_of_logits(model, tracer):
+    top = model.logits.argmax(-1).save()  # noqa: F841
 
 
 def relu_in_place(model, tracer):
@@ -299,6 +309,9 @@ def _zoo():
         "read_negative_index_clone": (read_negative_index_clone, {}, lambda s, h, p: [(s["x"], h["mlp3"][:p])]),
         "read_picked_rows": (read_picked_rows, {}, lambda s, h, p: [(s["rows"], h["mlp0"][:2])]),
         "read_an_input": (read_an_input, {}, lambda s, h, p: [(s["x"], h["mlpin2"][:p])]),
+        "read_logits": (read_logits, {}, lambda s, h, p: [(s["logits"][0], h["logits"][p - 1])]),
+        "capture_logits_every_step": (capture_logits_every_step, {},
+                                      lambda s, h, p: zip(s["logits"], h["logits"][p - 1: p + 2])),
         "capture_iter_bounded": (capture_iter_bounded, {},
                                  lambda s, h, p: zip(s["rows"], _per_step(h["mlp1"], p, ALL))),
         "capture_all_residual": (capture_all_residual, {},
@@ -343,7 +356,8 @@ CODE = {  # name -> (block, line (relative to the def), why, HF edits, expectati
                           lambda s, h, p: [(s["s"], h["layer3"][:p])]),
     "lens_over_layers": (lens_over_layers, 3, "saves a list (hs) of values of different modules or rows", {},
                          lambda s, h, p: zip(s["hs"], [h[f"mlp{i}"][:p] for i in range(4)])),
-    "read_logits": (read_logits, 1, "uses model.logits", {}, lambda s, h, p: [(s["logits"][-1], h["logits"][p - 1])]),
+    "argmax_of_logits": (argmax_of_logits, 1, "uses .argmax of a module's value", {},
+                         lambda s, h, p: [(s["top"].float(), h["logits"][p - 1].argmax(-1, keepdim=True).float())]),
     "relu_in_place": (relu_in_place, 2, "passes a module's value to torch (relu)",
                       {"mlp1": lambda p: _at_prompt(p, torch.relu)}, lambda s, h, p: [(s["s"], h["layer3"][:p])]),
 }

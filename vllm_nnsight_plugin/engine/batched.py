@@ -34,16 +34,18 @@ if TYPE_CHECKING:
     from .session import RequestSession
 
 EDIT_OPS = ("add", "scale", "zero", "set")
+READ_OPS = ("read", "logits")
+LOGITS = ("logits",)  # the location key of the logits rows (one per request, before sampling)
 READ_STEPS = ("prefill", "generated", "all")
 
 
 def _batchable(op: dict[str, Any]) -> bool:
-    return op["op"] in EDIT_OPS or op["op"] == "read"
+    return op["op"] in EDIT_OPS or op["op"] in READ_OPS
 
 
 def eligible(env: dict[str, Any]) -> bool:
-    """Whether a spec can run batched: every op reads or edits a module (a
-    ``logits_topk`` runs per request)."""
+    """Whether a spec can run batched: every op reads or edits a module or reads the
+    logits (a ``logits_topk`` runs per request)."""
     return env.get("kind") == "spec" and all(_batchable(op) for op in env["ops"])
 
 
@@ -66,16 +68,16 @@ def last_step(env: dict[str, Any]) -> int | None:
 
 
 def reads(env: dict[str, Any]) -> bool:
-    return any(op["op"] == "read" for op in env["ops"])
+    return any(op["op"] in READ_OPS for op in env["ops"])
 
 
 def prefill_reads(env: dict[str, Any]) -> bool:
-    return any(op["op"] == "read" and is_single(op) for op in env["ops"])
+    return any(op["op"] in READ_OPS and is_single(op) for op in env["ops"])
 
 
 def prompt_only(env: dict[str, Any]) -> bool:
     """Only reads at the prompt: nothing is left to do after the first step."""
-    return all(op["op"] == "read" and is_single(op) for op in env["ops"])
+    return all(op["op"] in READ_OPS and is_single(op) for op in env["ops"])
 
 
 @dataclass
@@ -110,9 +112,12 @@ class BatchedEdits:
         """Register a request's ops (applied in block then spec order per location)."""
         entries = []
         for op in env["ops"]:
-            if op["op"] == "read" and not is_single(op):  # one row block per step
+            if op["op"] in READ_OPS and not is_single(op):  # one row block per step
                 session.namespace[op["name"]] = session.keep(RowLog(squeeze=isinstance(op.get("positions"), int)))
         for number, op in enumerate(env["ops"]):
+            if op["op"] == "logits":
+                entries.append((LOGITS, Entry(session, op, number, block, self._seq(op))))
+                continue
             envoy = self.inter.envoy_at(op["module"])
             kind = op.get("io", "output")
             self.inter.check_module_access(op["module"], kind)
@@ -180,10 +185,11 @@ class BatchedEdits:
         if key in self.laned:  # the tap op's lane kernels applied them (see finish_lanes)
             return
         lanes.STATS["python"] += 1
-        for _, entry, spans, sessions in self._step_groups(key, layout):
+        rows = layout.num_tokens if key != LOGITS else value.shape[0]
+        for _, entry, spans, sessions in self._pick(self._groups(key), layout, key == LOGITS):
             try:
-                if entry.op["op"] == "read":
-                    self._read(entry.op, value, spans, sessions, layout.num_tokens)
+                if entry.op["op"] in READ_OPS:
+                    self._read(entry.op, value, spans, sessions, rows)
                     continue
                 self._apply_one(entry.op, value, spans, layout.num_tokens)
             except Exception as exc:  # noqa: BLE001 - a bad edit ends the requests that sent it
@@ -193,7 +199,7 @@ class BatchedEdits:
     def _groups(self, key: tuple) -> list[tuple[tuple, Entry, list[RequestSession]]]:
         """A location's entries grouped per (block, op, identical op), in the order they
         apply (a request's own order is kept): ``(gkey, entry, sessions)``. Cached
-        until the entries change; a step picks its rows with :meth:`_step_groups`."""
+        until the entries change; a step picks its rows with :meth:`_pick`."""
         cached = self._group_cache.get(key)
         if cached is None or cached[0] != self._version:
             groups: dict[tuple, tuple[Entry, list[RequestSession]]] = {}
@@ -205,11 +211,15 @@ class BatchedEdits:
         return cached[1]
 
     @staticmethod
-    def _pick(groups: list[tuple], layout: Any) -> list[tuple]:
+    def _pick(groups: list[tuple], layout: Any, per_request: bool = False) -> list[tuple]:
         """This step's part of ``groups``: ``(gkey, entry, spans, sessions)`` for the
         active sessions in the batch whose op is due at their step; a span is the
-        session's ``(start, end)`` rows, or :class:`Rows` where the op picks positions."""
+        session's ``(start, end)`` rows, or :class:`Rows` where the op picks positions.
+        ``per_request``: a value with one row per request (the logits), which a prompt
+        has only at its last chunk."""
         spans_of, chunks = layout.spans, layout.chunks
+        if per_request:
+            spans_of = {r: (i, i + 1) for r, i in layout.rows.items() if not chunks.get(r, (0, 0, False))[2]}
         out = []
         for gkey, entry, sessions in groups:
             spans, due = [], []
@@ -233,8 +243,6 @@ class BatchedEdits:
                 out.append((gkey, entry, spans, due))
         return out
 
-    def _step_groups(self, key: tuple, layout: Any) -> list[tuple]:
-        return self._pick(self._groups(key), layout)
 
     # ------------------------------------------------------------ lanes
     def lanes_cover(self, num_tokens: int) -> bool:
@@ -242,8 +250,9 @@ class BatchedEdits:
         (then the step needs no Python in the forward and may replay a full graph)."""
         if not lanes.enabled() or num_tokens > lanes.capacity():
             return False
-        if self._cover[0] != self._version:
-            self._cover = (self._version, all(self._lane_groups(key, None) is not None for key in self.at))
+        if self._cover[0] != self._version:  # (logits are read after the forward: no lanes needed)
+            self._cover = (self._version, all(self._lane_groups(key, None) is not None
+                                              for key in self.at if key != LOGITS))
         return self._cover[1]
 
     def fill_lanes(self, layout: Any) -> None:
@@ -266,6 +275,8 @@ class BatchedEdits:
         filled: dict[tuple, tuple] = {}
         steady = True  # and no request at its first step (what is due changes after it)
         for key in self.at:
+            if key == LOGITS:
+                continue
             plan = self._lane_groups(key, layout)
             if plan is None:
                 continue
@@ -396,7 +407,7 @@ class BatchedEdits:
                 session = entry.session
                 if session.active and session.req_id in layout.spans:
                     session.fail(
-                        f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']}."
+                        f"ops[{entry.number}] ({entry.op['op']} {entry.op.get('module', 'logits')}."
                         f"{entry.op.get('io', 'output')}) was not reached at step {session.step}: vLLM "
                         "never called that module this step (e.g. lm_head is applied inside "
                         "compute_logits: use model.logits)"
@@ -529,7 +540,7 @@ def _code_fits(op: dict[str, Any], code: str) -> bool:
 
 def _where(entry: Entry) -> str:
     """How an error names the op: ``ops[N] (add model.layers.8)``."""
-    return f"ops[{entry.number}] ({entry.op['op']} {entry.op['module']})"
+    return f"ops[{entry.number}] ({entry.op['op']} {entry.op.get('module', 'logits')})"
 
 
 def _due(op: dict[str, Any], step: int) -> bool:

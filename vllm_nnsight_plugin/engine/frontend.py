@@ -29,7 +29,7 @@ MODULE_ATTRS = ("output", "input", "inputs")
 def touches_modules(env: dict[str, Any]) -> bool:
     """Whether a payload reads or edits module values (needs an eager engine)."""
     if env["kind"] == "spec":
-        return any(op["op"] != "logits_topk" for op in env["ops"])
+        return any("module" in op for op in env["ops"])
     tree = ast.parse(env["source"])
     return any(isinstance(n, ast.Attribute) and n.attr in MODULE_ATTRS for n in ast.walk(tree))
 

@@ -204,7 +204,8 @@ class Interleaver:
             session.wait = Wait("step", 1 << 62)
             if self.eager:
                 for op in env["ops"]:
-                    self._ensure_hook(self.envoy_at(op["module"])._module, op.get("io", "output"))
+                    if "module" in op:
+                        self._ensure_hook(self.envoy_at(op["module"])._module, op.get("io", "output"))
             return
         session.namespace.update(
             model=self.root,

@@ -129,7 +129,7 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
         ops.append(_read(name, value))
     edited = {(e.where["module"], e.where.get("io", "output")) for e in rec.edits}
     for _, op, line in ops:
-        if (op["module"], op.get("io", "output")) in edited:
+        if (op.get("module"), op.get("io", "output")) in edited:
             raise Unrecordable(f"reads {op['module']}.{op.get('io', 'output')} beside an edit of it", line)
     ops.extend(_merged_edits(rec))
     if not ops:
@@ -144,7 +144,7 @@ def _read(name: str, value: Any) -> tuple[int, dict[str, Any], int]:
         if loc.step != 0:
             raise Unrecordable(f"saves {name} at a step after the prompt (a plan saves one value at the prompt, "
                                "or a list with one value per step)", loc.line)
-        return loc.seq, {"op": "read", "name": name, **value._where(), "steps": "prefill"}, loc.line
+        return loc.seq, {**_read_op(name, value._where()), "steps": "prefill"}, loc.line
     if not value or not all(isinstance(v, (RecTensor, RecTuple)) for v in value):
         raise Unrecordable(f"saves a list ({name}) that is not one module value per step", None)
     first = value[0]._loc
@@ -157,8 +157,15 @@ def _read(name: str, value: Any) -> tuple[int, dict[str, Any], int]:
         steps = list(steps)
     else:
         raise Unrecordable(f"saves a list ({name}) that is not one value per step", first.line)
-    return first.seq, {"op": "read", "name": name, **value[0]._where(),
+    return first.seq, {**_read_op(name, value[0]._where()),
                        "steps": steps[0] if isinstance(steps[0], str) else steps}, first.line
+
+
+def _read_op(name: str, where: dict[str, Any]) -> dict[str, Any]:
+    """A read of ``where`` saved under ``name`` (the logits have an op of their own)."""
+    if where.get("logits"):
+        return {"op": "logits", "name": name}
+    return {"op": "read", "name": name, **where}
 
 
 def _operand_key(value: Any) -> Any:
@@ -241,6 +248,8 @@ class Lowerings:
         found = plan_block(rec, env["source"], env["filename"], env["lineno"], values, self.seconds)
         if isinstance(found, Lowered):
             for op, line in zip(found.spec["ops"], found.lines):
+                if "module" not in op:
+                    continue  # (the logits: served in every mode)
                 try:
                     check_access(op["module"], op.get("io", "output"))
                     guards.refuse_integer_writes({"kind": "spec", "ops": [op]}, integer_inputs)

@@ -12,8 +12,8 @@ unrolled, step by step. The notes become the batched spec's ops
 What a plan cannot hold makes the block run as code for its request, and the
 report (``ran_as``) names the line and why: control flow on a tensor's value,
 ``.item()``/``.tolist()``, passing a module's value to torch functions or calling
-a module, arithmetic beyond ``+ v``/``- v``/``* f`` in an edit, ``model.logits``
-and ``model.samples``, I/O (``print``, ``open``; an import of a module not loaded),
+a module, arithmetic beyond ``+ v``/``- v``/``* f`` in an edit, edits of
+``model.logits`` and anything of ``model.samples``, I/O (``print``, ``open``; an import of a module not loaded),
 a read beside an edit of one module, a step loop inside a step loop.
 
 A read is the module's value when it ran (a copy), whether the block cloned it
@@ -116,7 +116,16 @@ class Recorder:
             return RecTuple(self, loc)
         return RecTensor(self, loc, None)
 
+    def logits(self) -> RecTensor:
+        """``model.logits``: the request's logits row at this step (read only)."""
+        if self.after_open:
+            self.fail("reads model.logits after an open-ended step loop")
+        self.seq += 1
+        return RecTensor(self, _Loc("logits", "logits", 0, self.at(), self.seq, self.line() or 0), None)
+
     def edit(self, kind: str, target: RecTensor, value: Any = None, factor: float = 1.0) -> None:
+        if target._loc.io == "logits":
+            self.fail("edits model.logits")
         if target._sum:
             self.fail("edits the sum of a module's outputs")
         if target._loc.step != self.at():
@@ -219,8 +228,10 @@ class RecEnvoy:
     def __getattr__(self, name: str) -> Any:
         if name in self._module._modules:
             return self._child(name)
-        if name in ("logits", "samples") and not self._path:
-            self._rec.fail(f"uses model.{name}")
+        if name == "logits" and not self._path:
+            return self._rec.logits()
+        if name == "samples" and not self._path:
+            self._rec.fail("uses model.samples")
         if name == "inputs":
             self._rec.fail(f"uses {self._name()}.inputs")
         if name.startswith("__"):
@@ -339,6 +350,8 @@ class RecTensor(_Value):
         self._rec, self._loc, self._index, self._positions, self._sum = rec, loc, index, positions, total
 
     def _where(self) -> dict[str, Any]:
+        if self._loc.io == "logits":
+            return {"logits": True}  # (the plan's "logits" op: see lower._read)
         where: dict[str, Any] = {"module": self._loc.path}
         if self._loc.io == "input":
             where["io"] = "input"
@@ -368,6 +381,8 @@ class RecTensor(_Value):
             return self
         if self._positions is not None:
             self._rec.fail("picks rows of rows")
+        if self._loc.io == "logits":
+            self._rec.fail("picks rows of model.logits (a plan reads its whole row)")
         if self._loc.structure is None and self._index is None:
             self._rec.fail(f"indexes {self._loc.path}.output, whose forward does not say whether it returns "
                            "a tensor or a tuple")

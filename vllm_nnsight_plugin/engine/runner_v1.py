@@ -47,7 +47,7 @@ def _wrap_compute_logits(model: Any, inter: Interleaver) -> None:
         # once per step: later calls (prompt logprobs, drafts) are not the sampled rows
         if layout is not None and not layout.logits_seen:
             layout.logits_seen = True
-            if inter.waiters.get(("logits",)):
+            if inter.waiters.get(("logits",)) or ("logits",) in inter.batched.at:
                 inter.serve(("logits",), logits, row_based=True)
             inter.guard_logits(logits)
             inter.keep_logits(logits)

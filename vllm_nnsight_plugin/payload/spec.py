@@ -38,6 +38,7 @@ _LOCATION = ("io", "index", "positions", "steps")
 # op -> (required fields, optional fields), as in the schema's $defs
 FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "read": (("op", "name", "module"), ("io", "index", "sum", "positions", "steps")),
+    "logits": (("op", "name"), ("steps",)),
     "logits_topk": (("op", "name", "k"), ("steps",)),
     "add": (("op", "module", "value"), _LOCATION),
     "set": (("op", "module", "value"), _LOCATION),
