@@ -235,3 +235,8 @@ def test_a_recording_off_the_main_thread_is_bounded_too():
     thread.start()
     thread.join(timeout=30)
     assert not thread.is_alive() and isinstance(found[0], Fallback) and "while being recorded" in found[0].why
+
+
+def test_names_bound_to_none_or_other_values_are_not_saves():
+    ops = _ops("edit = None\nflag = False\nx = model.layers[1].output[0].save()", edit=None)
+    assert [op["name"] for op in ops] == ["x"]

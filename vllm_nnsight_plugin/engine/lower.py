@@ -17,6 +17,7 @@ runner fails the request, naming the fix, where the value is not that.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import typing
 from collections import defaultdict
@@ -29,6 +30,7 @@ import torch
 from . import record
 from .record import RecEnvoy, Recorder, RecTensor, RecTracer, RecTuple, Unrecordable
 
+logger = logging.getLogger("vllm.nnsight_plugin")
 _OP = re.compile(r"^ops\[(\d+)\] \(([^)]*)\)(: )?")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 STATS = {"lowered": 0}  # blocks run as batched specs since start (the lane-stats RPC)
@@ -119,7 +121,7 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
     ops: list[tuple[int, dict[str, Any], int]] = []  # (access order, op, line)
     seen: set[int] = set()
     for name, value in namespace.items():
-        if name.startswith("__") or rec.saved.get(id(value)) is not value:
+        if name.startswith("__") or id(value) not in rec.saved or rec.saved[id(value)] is not value:
             continue
         if id(value) in seen:
             raise Unrecordable(f"binds one saved value to two names ({name})", None)
@@ -245,7 +247,11 @@ class Lowerings:
             return self._cache[key]
         rec, resolve = recorder(self.model, self.dtype, self.shared())
         values = codec.load_code(env, resolve).values
-        found = plan_block(rec, env["source"], env["filename"], env["lineno"], values, self.seconds)
+        try:
+            found = plan_block(rec, env["source"], env["filename"], env["lineno"], values, self.seconds)
+        except Exception as exc:  # noqa: BLE001 - the recorder's own failure: the block still runs, as code
+            logger.exception("recording the block at %s:%s failed", env["filename"], env["lineno"])
+            found = Fallback(f"recording it failed ({type(exc).__name__})", env["lineno"])
         if isinstance(found, Lowered):
             for op, line in zip(found.spec["ops"], found.lines):
                 if "module" not in op:
