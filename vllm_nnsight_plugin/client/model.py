@@ -274,8 +274,15 @@ class VLLM(Envoy):
         here, before anything is sent."""
         if taps == "local":  # this client's own engine: compiled unless enforce_eager
             taps = None if self.llm_kwargs.get("enforce_eager") else self.taps
+        checked = self.__dict__.setdefault("_checked", set())  # (one block, many invokes: checked once)
         for inv in invokes:
+            key = (inv.block, tuple(sorted(n for n, v in inv.values.items() if v is self)), id(tree), repr(taps))
+            if key in checked:
+                continue
             self._check_block(inv.block, inv.values, tree, taps)
+            if len(checked) > 1024:
+                checked.clear()
+            checked.add(key)
 
     def _check_block(self, block: Any, values: dict[str, Any], tree: dict[str, str] | None,
                      taps: TapSet | None) -> None:

@@ -700,8 +700,8 @@ class Interleaver:
 
     def guard_logits(self, logits: torch.Tensor) -> None:
         """Traced requests' logits rows made finite before sampling; a request whose
-        rows were not fails (see :mod:`.isolation`). On a GPU the check is read a step
-        later, or at once in a request's last step by ``max_tokens``. The traced rows'
+        rows were not fails (see :mod:`.isolation`). On a GPU the check is read when the
+        device has got there, or at once in a request's last step by ``max_tokens``. The traced rows'
         index is kept while the batch's rows and requests stay the same (decode steps)."""
         layout = self.layout
         self.vocab = int(logits.shape[-1])

@@ -14,8 +14,9 @@ Two holes, both closed here:
   cached: zeroing happens only on a fresh allocation.
 - **Non-finite logits.** A traced request whose logits hold NaN or +inf ends with a
   per-request error naming the step. Its rows are made finite before sampling (a
-  sampler fed NaN can fail for the whole batch). On a GPU the check is read a step
-  later (no device sync in the step), or at once in a request's last step.
+  sampler fed NaN can fail for the whole batch). On a GPU the check is read once
+  the device has got there, a step or two later (the CPU never waits for it), or at
+  once in a request's last step.
 """
 
 from __future__ import annotations
@@ -111,42 +112,47 @@ def zero_reused_blocks(runner: Any, scheduler_output: Any) -> None:
 
 
 class FiniteLogits:
-    """Per step: traced rows of the logits made finite, and which were not, read a
-    step later (a device-to-host copy that does not stall the step)."""
+    """Per step: traced rows of the logits made finite, and which were not, read once
+    the device has got there (a device-to-host copy that neither stalls the step nor
+    makes the CPU wait for the GPU: under async scheduling the CPU prepares the next
+    step while the GPU runs this one, and one wait per step would undo that)."""
 
     def __init__(self) -> None:
-        self._last: tuple[list[str], torch.Tensor, Any] | None = None
+        self._pending: list[tuple[list[str], torch.Tensor, Any]] = []  # oldest first
 
     def check(self, logits: torch.Tensor, index: torch.Tensor, req_ids: list[str]) -> list[str]:
         """Make the logits rows at ``index`` (those of ``req_ids``) finite; return the
-        requests whose rows were not in the last checked step (on the CPU: this one)."""
-        found = self.collect()
+        requests whose rows were not, in the steps checked so far whose copies have
+        landed (on the CPU: this one too)."""
+        found = self.collect(wait=False)
         if not req_ids:
             return found
         part = logits.index_select(0, index)
         # (-inf is a mask some models' logits carry: kept, and not an error)
         finite = ~(torch.isnan(part) | torch.isposinf(part)).any(dim=-1)
         logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
-        event = None
-        if finite.device.type == "cuda":
-            host = torch.empty(finite.shape, dtype=finite.dtype, pin_memory=True)
-            host.copy_(finite, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            finite = host
-        self._last = (req_ids, finite, event)
-        return found + (self.collect() if event is None else [])  # on the CPU: at once
+        if finite.device.type != "cuda":
+            return found + [r for r, ok in zip(req_ids, finite.tolist()) if not ok]
+        host = torch.empty(finite.shape, dtype=finite.dtype, pin_memory=True)
+        host.copy_(finite, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((req_ids, host, event))
+        return found
 
     @property
     def waiting(self) -> bool:
-        return self._last is not None
+        return bool(self._pending)
 
-    def collect(self) -> list[str]:
-        """The requests whose rows were non-finite in the last checked step."""
-        last, self._last = self._last, None
-        if last is None:
-            return []
-        req_ids, finite, event = last
-        if event is not None:
+    def collect(self, wait: bool = True) -> list[str]:
+        """The requests whose rows were non-finite in the checked steps (``wait``: all of
+        them, waiting for the device; else those whose copies have landed)."""
+        found: list[str] = []
+        while self._pending:
+            req_ids, finite, event = self._pending[0]
+            if not wait and not event.query():
+                break
             event.synchronize()
-        return [r for r, ok in zip(req_ids, finite.tolist()) if not ok]
+            self._pending.pop(0)
+            found += [r for r, ok in zip(req_ids, finite.tolist()) if not ok]
+        return found
