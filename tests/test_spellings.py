@@ -415,7 +415,12 @@ def test_what_a_plan_cannot_hold_runs_as_code_at_its_line_and_equals_hugging_fac
 
 
 def test_the_same_batch_twice_gives_the_same_saves_and_reports(zoo_runs):
+    """Bit for bit on CPU. On a GPU a GEMM's last bits depend on which requests share
+    its step, and two runs of one batch may form steps differently (see
+    bit_identical_in_some_try): equal there to 1e-5."""
     first, again = zoo_runs
+    same = torch.equal if not torch.cuda.is_available() else \
+        (lambda x, y: x.shape == y.shape and torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-5))
     for name in first:
         assert first[name].ran_as == again[name].ran_as
         assert list(first[name].outputs[0].token_ids) == list(again[name].outputs[0].token_ids)
@@ -424,7 +429,7 @@ def test_the_same_batch_twice_gives_the_same_saves_and_reports(zoo_runs):
         for key in a:
             xs = a[key] if isinstance(a[key], list) else [a[key]]
             ys = b[key] if isinstance(b[key], list) else [b[key]]
-            assert len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys)), (name, key)
+            assert len(xs) == len(ys) and all(same(x, y) for x, y in zip(xs, ys)), (name, key)
 
 
 def test_through_trace_with_many_invokes_every_spelling_is_batched(llama, hf_llama):
