@@ -86,8 +86,8 @@ def _payloads() -> dict[str, dict]:
             {"op": "add", "module": "model.layers.8", "index": 0, "value": [0.01] * HIDDEN, "steps": "all"}]})},
         "every-token reads of the residual stream, batched spec (`\"sum\"`)": {"nnsight": json.dumps({**spec, "ops": [
             {"op": "read", "name": "stream", "module": "model.layers.8", "sum": True, "steps": "all"}]})},
-        "steering, nnsight-style block (runs as the spec)": {"nnsight": make_payload(steer)},
-        "every-token capture, nnsight-style block (runs as the spec)": {"nnsight": make_payload(every_token)},
+        "steering, nnsight-style block (runs as its plan)": {"nnsight": make_payload(steer)},
+        "every-token capture, nnsight-style block (runs as its plan)": {"nnsight": make_payload(every_token)},
         "steering, the block as code": {"nnsight": make_payload(steer), **code},
         "every-token capture, the block as code": {"nnsight": make_payload(every_token), **code},
     }

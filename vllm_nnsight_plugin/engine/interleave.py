@@ -53,7 +53,7 @@ class Interleaver:
         self.batched = batched.BatchedEdits(self)
         self.finite = isolation.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
-        self._guard_memo: tuple | None = None  # (epoch, rows, traced ids, their rows' index, max_tokens)
+        self._guard_memo: list | None = None  # [epoch, rows, traced ids, their rows' index, steps to a last step]
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
         self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
         self.params: dict[str, Any] = {}  # their SamplingParams (V2's runner keeps none)
@@ -713,12 +713,16 @@ class Interleaver:
             index = torch.tensor([layout.rows[r] for r in req_ids], dtype=torch.long)
             if logits.device.type == "cuda":
                 index = index.pin_memory().to(logits.device, non_blocking=True)
-            limits = [getattr(self.params.get(r), "max_tokens", None) for r in req_ids]
-            memo = self._guard_memo = (self._epoch, layout.rows, req_ids, index, limits)
-        _, _, req_ids, index, limits = memo
+            # steps until the first of them reaches its last step by max_tokens (every request
+            # of an unchanged batch advances one step per call)
+            room = min((limit - (self.sessions[r][0].step + 1) for r in req_ids
+                        if (limit := getattr(self.params.get(r), "max_tokens", None)) is not None), default=None)
+            memo = self._guard_memo = [self._epoch, layout.rows, req_ids, index, room]
+        _, _, req_ids, index, room = memo
         found = self.finite.check(logits, index, req_ids)
-        if self.finite.waiting and any(limit is not None and self.sessions[r][0].step + 1 >= limit
-                                       for r, limit in zip(req_ids, limits)):
+        if room is not None:
+            memo[4] = room - 1
+        if self.finite.waiting and room is not None and room <= 0:
             found += self.finite.collect()  # (a request's last step: its error must ship with it)
         for req_id in found:
             step = self.sessions[req_id][0].step if req_id in self.sessions else "?"
