@@ -16,6 +16,11 @@ def test_reading_the_entrypoint_starts_no_engine(llama_path):
     assert model.vllm_entrypoint is None and not model.dispatched
 
 
+def test_blocking_false_is_for_served_traces(llama_path):
+    with pytest.raises(ValueError, match="blocking=False is for served traces"):
+        VLLM(llama_path, dtype="float32").trace("Hello", blocking=False)
+
+
 def test_an_unreachable_server_raises_a_connection_error(llama_path):
     model = VLLM(llama_path, dtype="float32")
     with pytest.raises(ConnectionError, match="cannot reach the vLLM server at http://127.0.0.1:9"):

@@ -150,6 +150,27 @@ def test_gpu_less_client_traces_a_served_engine(code_server, llama_path, hf_llam
         assert_close(steps[k][0], ref[-1])
 
 
+def test_non_blocking_served_traces_are_collected_later(code_server, llama_path, hf_llama):
+    """nnsight's way to fire many served traces and gather them later: blocking=False
+    sends the request at the block's end; tracer.collect() waits, binds the saves and
+    returns the outputs."""
+    model = VLLM(llama_path)
+    tracers = []
+    for text in ("Hello world", "The capital of Japan is"):
+        with model.trace(text, serve=code_server.url, api_key=KEY, blocking=False, temperature=0.0,
+                         max_tokens=2) as tracer:
+            h = model.model.layers[1].output[0].save()
+        tracers.append(tracer)
+    for tracer, text in zip(tracers, ("Hello world", "The capital of Japan is")):
+        out = tracer.collect(timeout=300)[0]
+        ids = out.prompt_token_ids
+        assert ids == _ids(llama_path, text) and len(out.outputs[0].token_ids) == 2
+        rec = HFRun(hf_llama, ids).record("mlp1", hf_llama.model.layers[1].mlp)
+        rec.logits()
+        assert_close(h, rec.records["mlp1"])  # (bound by collect)
+    assert tracers[0].collect() is tracers[0].outputs  # collected once; later calls return the outputs
+
+
 def test_gpu_less_client_checks_paths_against_the_server(code_server, llama_path):
     model = VLLM(llama_path)
     with pytest.raises(AttributeError, match="submodules: .*mlp"):

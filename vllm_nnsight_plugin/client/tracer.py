@@ -61,8 +61,12 @@ class Tracer(_Capturing):
                  api_key: str | None = None, stream_saves: bool = False, **sampling: Any):
         self.model = model
         self._prompt = prompt
+        self._blocking = bool(sampling.pop("blocking", True))
+        if not self._blocking and not serve:
+            raise ValueError("blocking=False is for served traces (serve=URL): a local trace runs when its block ends")
         self._sampling = sampling
         self._serve = (serve, api_key) if serve else None
+        self._background: _Background | None = None  # blocking=False: the requests in flight
         self._stream_saves = stream_saves
         self.backend: Any = None  # mode="async": the stream of this trace's outputs
         self._invokes: list[Invoke] = []
@@ -126,7 +130,25 @@ class Tracer(_Capturing):
         if getattr(self.model, "mode", "sync") == "async" and self._serve is None:
             self.backend = self.model._submit_async(self._invokes, self._sampling, self._stream_saves)
             return
-        outputs = self.model._run_invokes(self._invokes, self._sampling, self._serve)
+        if not self._blocking:  # the requests go out now; collect() gathers them and binds the saves
+            self._background = _Background(lambda: self.model._run_invokes(self._invokes, self._sampling,
+                                                                            self._serve), self._frame)
+            return
+        self._bind(self.model._run_invokes(self._invokes, self._sampling, self._serve), self._frame)
+
+    def collect(self, timeout: float | None = None) -> list[Any]:
+        """A ``blocking=False`` trace: wait (at most ``timeout`` seconds, else
+        ``TimeoutError``) for its requests, bind their saves in the frame that ran the
+        trace, raise the first block error, and return the outputs."""
+        background = self._background
+        if background is None:
+            return self.outputs
+        outputs = background.result(timeout)
+        self._background = None
+        self._bind(outputs, background.frame)
+        return self.outputs
+
+    def _bind(self, outputs: list[Any], frame: FrameType | None) -> None:
         self.outputs = outputs
         bound: dict[str, Any] = {}
         first_error = None
@@ -138,12 +160,39 @@ class Tracer(_Capturing):
                 first_error = info
             for text in getattr(output, "nnsight_warnings", ()) or ():
                 warnings.warn(text, RuntimeWarning, stacklevel=3)
-        if self._frame is not None:
-            push_locals(self._frame, bound)
+        if frame is not None:
+            push_locals(frame, bound)
         if first_error is not None:
             from .errors import make_error
 
             raise make_error(first_error) from None
+
+
+class _Background:
+    """A served trace's requests, sent from a thread (``blocking=False``)."""
+
+    def __init__(self, run: Any, frame: FrameType | None):
+        import threading
+
+        self.frame = frame
+        self._outputs: list[Any] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, args=(run,), name="nnsight-served-trace", daemon=True)
+        self._thread.start()
+
+    def _main(self, run: Any) -> None:
+        try:
+            self._outputs = run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller by result()
+            self._error = exc
+
+    def result(self, timeout: float | None) -> list[Any]:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the served trace did not finish within {timeout} s (collect again to keep waiting)")
+        if self._error is not None:
+            raise self._error
+        return self._outputs or []
 
 
 class Invoker(_Capturing):

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from . import record
-from .record import RecEnvoy, Recorder, RecTensor, RecTracer, RecTuple, Unrecordable
+from .proxies import RecEnvoy, RecTensor, RecTracer, RecTuple
+from .record import Recorder, Unrecordable
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 _OP = re.compile(r"^ops\[(\d+)\] \(([^)]*)\)(: )?")
