@@ -189,6 +189,28 @@ def test_finish_prediction_reads_the_token_only_when_a_stop_token_can_end_the_re
     assert not _stops(params(min_tokens=5), 3, 10, 100, never)
 
 
+def test_the_cheap_finish_precheck_never_misses_a_stop():
+    """may_stop (counts only) is False only where _stops is False whatever the token:
+    the runners skip the walk of a request's blocks on that answer."""
+    import itertools
+
+    from vllm import SamplingParams
+
+    from vllm_nnsight_plugin.engine.compat import _stops, may_stop
+
+    def variants():
+        for ignore, stops, min_tokens in itertools.product((True, False), ([], [9]), (0, 5)):
+            p = SamplingParams(max_tokens=10, ignore_eos=ignore, stop_token_ids=stops, min_tokens=min_tokens)
+            p.update_from_generation_config({"eos_token_id": [2, 5]}, 2)
+            yield p
+
+    for p in variants():
+        for outputs, total, token in itertools.product((1, 4, 9, 10, 11), (50, 99, 100), (2, 5, 7, 9)):
+            if not may_stop(p, outputs, total, 100):
+                assert not _stops(p, outputs, total, 100, lambda token=token: token), (p, outputs, total, token)
+    assert not may_stop(None, 3, 10, 100)
+
+
 class _Pair(torch.nn.Module):
     """Returns ``(hidden, residual)`` as vLLM's decoder layers do."""
 

@@ -268,6 +268,28 @@ def will_finish(runner: Any, req_id: str, sampled: Callable[[], int]) -> bool:
                   lambda: out[-1] if out[-1] >= 0 else sampled())
 
 
+def may_stop(params: Any, outputs: int, total: int, max_model_len: int) -> bool:
+    """Whether :func:`_stops` can be true for these counts: False means it is not,
+    without reading this step's token (most traced requests, most steps: one
+    comparison each instead of a walk of their blocks)."""
+    if params is None:
+        return False
+    if (params.max_tokens is not None and outputs >= params.max_tokens) or total >= max_model_len:
+        return True
+    if outputs < (params.min_tokens or 0):
+        return False
+    return params.eos_token_id is not None or bool(params.stop_token_ids)
+
+
+def may_finish(runner: Any, req_id: str) -> bool:
+    """:func:`may_stop` for a V1 runner's request."""
+    state = runner.requests.get(req_id)
+    if state is None or not state.output_token_ids:
+        return False
+    n = len(state.output_token_ids)
+    return may_stop(state.sampling_params, n, len(state.prompt_token_ids or ()) + n, runner.max_model_len)
+
+
 def _stops(params: Any, outputs: int, total: int, max_model_len: int, last: Callable[[], int]) -> bool:
     """The scheduler's stop check for ``outputs`` tokens (``total`` with the prompt);
     ``last()`` (the newest token) is read only when a stop token could match."""
@@ -337,6 +359,12 @@ def v2_will_finish(runner: Any, params: Any, computed_after: int, prefill_len: i
     if computed_after < prefill_len:  # a prefill chunk samples nothing
         return False
     return _stops(params, computed_after + 1 - prompt_len, computed_after + 1, runner.max_model_len, sampled)
+
+
+def v2_may_finish(runner: Any, params: Any, computed_after: int, prefill_len: int, prompt_len: int) -> bool:
+    """:func:`may_stop` from V2's arrays."""
+    return computed_after >= prefill_len and may_stop(params, computed_after + 1 - prompt_len, computed_after + 1,
+                                                      runner.max_model_len)
 
 
 def runner_model(runner: Any) -> Any:

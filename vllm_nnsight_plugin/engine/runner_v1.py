@@ -160,7 +160,7 @@ def _sample_tokens(original: Callable) -> Callable:
             stepwise = inter.stepwise  # (requests that only steer never park between steps)
             finishing = {
                 r for r in (layout.spans if stepwise else ())
-                if r in stepwise and inter.between_steps(r)
+                if r in stepwise and compat.may_finish(self, r) and inter.between_steps(r)
                 and compat.will_finish(self, r, lambda r=r: layout.sampled_token(r))
             }
             close_step(inter, out, finishing)

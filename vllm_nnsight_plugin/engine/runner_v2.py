@@ -89,7 +89,10 @@ def _sample_tokens(original: Callable) -> Callable:
         finishing = set()
         stepwise = inter.stepwise  # (requests that only steer never park between steps)
         for req_id, start, end, computed, prefill_len, prompt_len in kept[1] if stepwise and kept[1] else ():
-            if req_id in stepwise and req_id in params and inter.between_steps(req_id) and compat.v2_will_finish(
+            if req_id not in stepwise or req_id not in params or not compat.v2_may_finish(
+                    self, params[req_id], computed + end - start, prefill_len, prompt_len):
+                continue  # (it cannot finish this step: no walk of its blocks, no token read)
+            if inter.between_steps(req_id) and compat.v2_will_finish(
                 self, params[req_id], computed + end - start, prefill_len, prompt_len,
                 lambda r=req_id: layout.sampled_token(r),
             ):
