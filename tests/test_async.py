@@ -188,3 +188,47 @@ def test_async_edits_install_apply_and_clear(amodel, hf_llama, loop):
     assert_close(b.saves["clean"][0], HFRun(hf_llama, ids).logits()[-1])
     with pytest.raises(RuntimeError, match="aclear_edits"):
         amodel.clear_edits()
+
+
+EXIT_SCRIPT = '''
+import asyncio, gc, sys
+from vllm_nnsight_plugin import VLLM
+
+async def one_trace(path):
+    model = VLLM(path, mode="async", dispatch=True, dtype="float32", max_model_len=256)
+    with model.trace("Hello", max_tokens=2, temperature=0.0) as tracer:
+        h = model.model.layers[0].output[0].save()
+    out = await tracer.backend
+    assert out.saves["h"].shape[0] == len(out.prompt_token_ids)
+    return model
+
+async def shut_down_inside(path):
+    (await one_trace(path)).shutdown()
+
+if __name__ == "__main__":
+    path = sys.argv[1]
+    loop = asyncio.new_event_loop()      # shutdown() on the loop, then the loop closed by hand
+    loop.run_until_complete(shut_down_inside(path))
+    loop.close()
+    gc.collect()
+    model = asyncio.run(one_trace(path))  # no shutdown(): the interpreter exits with the engine up
+    print("done", flush=True)
+'''
+
+
+def test_async_scripts_exit_cleanly(llama_path, tmp_path):
+    """model.shutdown() finishes AsyncLLM's tasks on their own loop, so closing the loop
+    and collecting garbage afterwards neither hangs nor complains; a script that never
+    shuts down exits without AsyncLLM.__del__'s traceback (the engine is shut down at
+    exit, before modules are torn down)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_script.py"
+    script.write_text(EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), llama_path], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
+    for bad in ("Traceback", "Exception ignored", "Task was destroyed", "ERROR"):
+        assert bad not in proc.stderr, proc.stderr[-3000:]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import dis
 import sys
+import weakref
 from typing import Any
 
 from ..payload import codec
@@ -144,6 +146,8 @@ class VLLM(Envoy):
                 from ..engine.compat import make_async_engine
 
                 object.__setattr__(self, "_llm", make_async_engine(self.model_path, self.llm_kwargs))
+                # at interpreter exit, before modules are torn down (AsyncLLM.__del__ then fails)
+                atexit.register(_shutdown_at_exit, weakref.ref(self))
                 return self  # module paths are checked in the worker (no blocking RPC here)
             from vllm import LLM
 
@@ -364,6 +368,15 @@ class VLLM(Envoy):
         for output in outputs:
             _attach(output)
         return outputs
+
+
+def _shutdown_at_exit(ref: Any) -> None:
+    model = ref()
+    if model is not None:
+        try:
+            model.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway: never a traceback here
+            pass
 
 
 def _attach(output: Any) -> None:

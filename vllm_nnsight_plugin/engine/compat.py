@@ -458,9 +458,21 @@ def make_async_engine(model: str, kwargs: dict[str, Any]) -> Any:
 
 
 def shutdown_llm(llm: Any) -> None:
-    """Stop a ``vllm.LLM``'s (or ``AsyncLLM``'s) engine processes now."""
+    """Stop a ``vllm.LLM``'s (or ``AsyncLLM``'s) engine processes now. An AsyncLLM's
+    output task is finished on its own event loop when that loop is idle; when the
+    loop is already closed nothing can finish it, and its "destroyed but pending"
+    warning is dropped."""
     if hasattr(llm, "shutdown") and not hasattr(llm, "llm_engine"):
+        handler = getattr(llm, "output_handler", None)
         llm.shutdown()
+        if handler is not None and not handler.done():
+            import asyncio
+
+            loop = handler.get_loop()
+            if loop.is_closed():
+                handler._log_destroy_pending = False
+            elif not loop.is_running():
+                loop.run_until_complete(asyncio.gather(handler, return_exceptions=True))
         return
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
