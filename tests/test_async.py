@@ -17,10 +17,11 @@ from vllm_nnsight_plugin import VLLM, InterventionError
 def loop():
     loop = asyncio.new_event_loop()  # one loop: AsyncLLM binds its output handler to it
     yield loop
-    pending = asyncio.all_tasks(loop)
+    pending = asyncio.all_tasks(loop)  # (model.shutdown() has finished AsyncLLM's own)
     for task in pending:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 

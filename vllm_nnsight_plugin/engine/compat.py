@@ -466,18 +466,25 @@ def shutdown_llm(llm: Any) -> None:
         handler = getattr(llm, "output_handler", None)
         llm.shutdown()
         if handler is not None and not handler.done():
-            import asyncio
 
             loop = handler.get_loop()
             if loop.is_closed():
                 handler._log_destroy_pending = False
             elif not loop.is_running():
-                loop.run_until_complete(asyncio.gather(handler, return_exceptions=True))
+                loop.run_until_complete(_finished(handler))
         return
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
+
+
+async def _finished(task: Any) -> None:
+    """Wait for a cancelled task to end (on its own loop)."""
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - cancelled, or failed while shutting down: it has ended
+        pass
 
 
 def salt_request(engine_core_request: Any, salt: str) -> None:
