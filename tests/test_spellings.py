@@ -393,6 +393,35 @@ def _check(out, edits, expect, hf_llama) -> None:
     assert list(out.outputs[0].token_ids) == [int(t) for t in states["logits"][p - 1: p - 1 + STEPS].argmax(-1)]
 
 
+LONG = [" ".join([f"Sentence {i} says one two three four five six seven."] * 8) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def split_runs(llama_path):
+    """Every spelling again, on an engine whose token budget (64) is below every
+    prompt's length: chunked prefill splits each prompt, with several requests per
+    step."""
+    from conftest import ENGINE_KWARGS
+
+    from vllm_nnsight_plugin import VLLM
+
+    model = VLLM(llama_path, dispatch=True, dtype="float32", max_model_len=512, max_num_seqs=32,
+                 max_num_batched_tokens=64, enable_chunked_prefill=True, seed=0, **ENGINE_KWARGS)
+    names = list(_zoo())
+    outs = model.vllm_entrypoint.generate([LONG[i % len(LONG)] for i in range(len(names))],
+                                          [_params(_zoo()[n][0]) for n in names], use_tqdm=False)
+    yield dict(zip(names, outs))
+    model.shutdown()
+
+
+@pytest.mark.parametrize("name", list(_zoo()))
+def test_each_spelling_on_prompts_split_by_chunked_prefill(split_runs, hf_llama, name):
+    out = split_runs[name]
+    assert len(out.prompt_token_ids) > 64 and out.ran_as == "batched", (len(out.prompt_token_ids), out.ran_as)
+    _, edits, expect = _zoo()[name]
+    _check(out, edits, expect, hf_llama)
+
+
 def test_the_zoo_has_the_spellings_the_issue_asks_for():
     assert len(_zoo()) >= 25
 
