@@ -107,6 +107,14 @@ def test_bounded_loops_unroll_into_one_op_with_its_steps():
                 "for s in tracer.all():\n    model.layers[0].output[0][:] += v", v=VEC)[1]["steps"] == "generated"
 
 
+def test_an_edit_before_a_loop_and_the_same_edit_in_it_both_apply():
+    steer = {"op": "add", "module": "layers.0", "index": 0, "structure": 2, "value": [1.0] * 8}
+    assert _ops("model.layers[0].output[0][:] += v\nfor _ in tracer.all():\n    model.layers[0].output[0][:] += v",
+                v=VEC) == [{**steer, "steps": "prefill"}, {**steer, "steps": "all"}]
+    assert _ops("model.layers[0].output[0][:] += v\nfor _ in tracer.iter[:3]:\n    model.layers[0].output[0][:] += v",
+                v=VEC) == [{**steer, "steps": [0, 1, 2]}, {**steer, "steps": "prefill"}]
+
+
 def test_reads_are_saved_values_and_saved_lists():
     assert _ops("x = model.layers[1].output[0].save()") == [
         {"op": "read", "name": "x", "module": "layers.1", "index": 0, "structure": 2, "steps": "prefill"}]

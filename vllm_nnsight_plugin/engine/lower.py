@@ -189,7 +189,8 @@ def _merged_edits(rec: Recorder) -> list[tuple[int, dict[str, Any], int]]:
         loc = (e.where["module"], e.where.get("io", "output"))
         base = (e.kind, repr(sorted(e.where.items())), _operand_key(e.value), e.factor)
         slot = per_slot[(e.step, loc)]
-        key = (base, sum(1 for k in slot if k[0] == base))
+        # (an open-ended loop's edit never merges with a step's: at its first step both apply)
+        key = (base, isinstance(e.step, str), sum(1 for k in slot if k[0] == base))
         slot.append(key)
         merged.setdefault(key, [e, loc, []])[2].append(e.step)
     order = list(merged)
