@@ -85,6 +85,8 @@ STEER_ALL = {"op": "add", "module": "layers.0", "index": 0, "structure": 2, "val
     "for _ in tracer.all():\n    model.layers[0].output[0][:] -= -v",
     "for _ in tracer.all():\n    hidden, residual = model.layers[0].output\n    hidden[:] += v",
     "for _ in tracer.all():\n    for layer in model.layers[:1]:\n        layer.output[0][:] += v",
+    "for _ in tracer.all():\n    model.layers[0].output[0].add_(v)",
+    "for _ in tracer.all():\n    model.layers[0].output[0].sub_(-v)",
 ])
 def test_spellings_of_one_steering_record_one_op(source):
     assert _ops(source, v=VEC) == [STEER_ALL]
@@ -105,6 +107,17 @@ def test_bounded_loops_unroll_into_one_op_with_its_steps():
     # tracer.all() after a bounded loop starts at that loop's last step, as in a block
     assert _ops("for s in tracer.iter[:2]:\n    model.layers[1].output[0][:] *= 2\n"
                 "for s in tracer.all():\n    model.layers[0].output[0][:] += v", v=VEC)[1]["steps"] == "generated"
+
+
+def test_in_place_tensor_methods_are_the_edits_they_make():
+    where = {"module": "layers.1.attn", "structure": 0, "steps": "all"}
+    assert _ops("for _ in tracer.all():\n    model.layers[1].attn.output.zero_()") == [{"op": "zero", **where}]
+    assert _ops("for _ in tracer.all():\n    model.layers[1].attn.output.mul_(0.5)") == [
+        {"op": "scale", "factor": 0.5, **where}]
+    assert _ops("for _ in tracer.all():\n    model.layers[1].attn.output.copy_(v)", v=VEC) == [
+        {"op": "set", "value": [1.0] * 8, **where}]
+    assert _ops("for _ in tracer.all():\n    model.layers[1].attn.output.fill_(2)") == [
+        {"op": "set", "value": 2.0, **where}]
 
 
 def test_an_edit_before_a_loop_and_the_same_edit_in_it_both_apply():

@@ -181,7 +181,21 @@ def steer_every_layer(model, tracer):
         seen.append(model.model.layers[3].output[0])
 
 
+def steer_with_a_tensor_method(model, tracer):
+    seen = list().save()
+    for _ in tracer.all():
+        model.model.layers[0].output[0].add_(V)
+        seen.append(model.model.layers[3].output[0])
+
+
 # ------------------------------------------------------------------ ablation
+
+def ablate_with_zero_(model, tracer):
+    seen = list().save()
+    for _ in tracer.all():
+        model.model.layers[1].mlp.output.zero_()
+        seen.append(model.model.layers[2].output[0])
+
 
 def ablate_mlp(model, tracer):
     seen = list().save()
@@ -339,6 +353,10 @@ def _zoo():
                              lambda s, h, p: zip(s["seen"], _per_step(h["mlp3"], p, ALL))),
         "steer_every_layer": (steer_every_layer, {"mlp0": lambda p: _add(0.5 * V), "mlp1": lambda p: _add(0.5 * V)},
                               lambda s, h, p: zip(s["seen"], _per_step(h["mlp3"], p, ALL))),
+        "steer_with_a_tensor_method": (steer_with_a_tensor_method, {"mlp0": lambda p: _add(V)},
+                                       lambda s, h, p: zip(s["seen"], _per_step(h["mlp3"], p, ALL))),
+        "ablate_with_zero_": (ablate_with_zero_, {"mlp1": lambda p: (lambda t, pos: torch.zeros_like(t))},
+                              lambda s, h, p: zip(s["seen"], _per_step(h["mlp2"], p, ALL))),
         "ablate_mlp": (ablate_mlp, {"mlp1": lambda p: (lambda t, pos: torch.zeros_like(t))},
                        lambda s, h, p: zip(s["seen"], _per_step(h["mlp2"], p, ALL))),
         "halve_attention": (halve_attention, {"attn2": lambda p: (lambda t, pos: t * 0.5)},

@@ -265,6 +265,28 @@ class RecTensor(_Value):
         self._rec.edit("scale", self, factor=self._rec.operand(other))
         return self
 
+    # in-place tensor methods, as the statements they are
+    def add_(self, other: Any) -> RecTensor:
+        return self.__iadd__(other)
+
+    def sub_(self, other: Any) -> RecTensor:
+        return self.__isub__(other)
+
+    def mul_(self, other: Any) -> RecTensor:
+        return self.__imul__(other)
+
+    def zero_(self) -> RecTensor:
+        self[:] = 0
+        return self
+
+    def fill_(self, value: Any) -> RecTensor:
+        self[:] = value
+        return self
+
+    def copy_(self, value: Any) -> RecTensor:
+        self[:] = value
+        return self
+
     def __setitem__(self, key: Any, value: Any) -> None:
         target = self[key]
         if value is target or (isinstance(value, RecTensor) and target._same_rows(value)):
