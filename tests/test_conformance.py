@@ -66,3 +66,34 @@ def test_with_forms_of_step_loops_mean_the_for_forms_also_as_code(llama):
     assert got[True][2] == "batched" and got[False][2].endswith("(nnsight_lower is off)")
     for a, b in zip(got[True][0] + got[True][1], got[False][0] + got[False][1]):
         assert_close(a, b, tol=0.0) if not torch.cuda.is_available() else assert_close(a, b, tol=1e-5)
+
+
+PROMPTS = ["Hello", "The capital of Japan is", "One two three"]
+
+
+def test_trace_level_lists_are_filled_by_the_invokes_in_order(llama, hf_llama):
+    """nnsight's trace-level values: saved in the trace body, appended to by each
+    invoke, they come back filled in invoke order (also a list of lists indexed per
+    invoke)."""
+    from conftest import HFRun
+
+    with llama.trace(temperature=0.0, max_tokens=1) as tracer:
+        logits = list().save()
+        outs = [list() for _ in PROMPTS].save()
+        for i, prompt in enumerate(PROMPTS):
+            with tracer.invoke(prompt):
+                outs[i].append(llama.model.layers[1].output[0][-1])
+                logits.append(llama.logits)
+    assert len(logits) == len(PROMPTS) and [len(o) for o in outs] == [1] * len(PROMPTS)
+    for out, row, last in zip(tracer.outputs, logits, outs):
+        ids = list(out.prompt_token_ids)
+        run = HFRun(hf_llama, ids).record("mlp1", hf_llama.model.layers[1].mlp)
+        ref = run.logits()
+        assert_close(row[0], ref[-1])
+        assert_close(last[0], run.records["mlp1"][-1])
+    with llama.trace(temperature=0.0, max_tokens=1) as tracer:  # one flat list: each invoke's plan is batched
+        flat = list().save()
+        for prompt in PROMPTS:
+            with tracer.invoke(prompt):
+                flat.append(llama.logits)
+    assert len(flat) == len(PROMPTS) and all(o.ran_as == "batched" for o in tracer.outputs)

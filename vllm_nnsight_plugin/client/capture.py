@@ -153,3 +153,68 @@ def push_locals(frame: FrameType, values: dict[str, Any]) -> None:
     frame.f_locals.update(values)
     if sys.version_info < (3, 13):
         ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+
+
+# ------------------------------------------------------------ trace-level values
+
+
+def _is_invoke(node: ast.With) -> bool:
+    expr = node.items[0].context_expr if node.items else None
+    return isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "invoke"
+
+
+def _is_save(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "save" \
+        and not node.args and not node.keywords
+
+
+def saves_outside_invokes(statements: tuple[ast.stmt, ...]) -> bool:
+    """Whether a trace body calls ``.save()`` outside its invokes' bodies."""
+    todo: list[ast.AST] = list(statements)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.With) and _is_invoke(node):
+            todo.extend(item.context_expr for item in node.items)  # (not its body: the engine's)
+            continue
+        if _is_save(node):
+            return True
+        todo.extend(ast.iter_child_nodes(node))
+    return False
+
+
+class _TraceSaves(ast.NodeTransformer):
+    """``x.save()`` outside invokes -> ``__nnsight_trace_save__(x)``."""
+
+    def visit_With(self, node: ast.With) -> Any:
+        if _is_invoke(node):
+            return node
+        return self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> Any:
+        self.generic_visit(node)
+        if _is_save(node):
+            return ast.copy_location(ast.Call(ast.Name("__nnsight_trace_save__", ast.Load()), [node.func.value], []),
+                                     node)
+        return node
+
+
+def compile_trace_body(block: BlockSource) -> Any:
+    """A trace body as code that runs in the caller, at its own lines."""
+    tree = ast.parse(block.source, block.filename)
+    ast.increment_lineno(tree, block.lineno - 1)
+    tree = ast.fix_missing_locations(_TraceSaves().visit(tree))
+    return compile(tree, block.filename, "exec")
+
+
+def lengths(value: Any) -> Any:
+    """A list's length and its list items' lengths, recursively: what was there before."""
+    return (len(value), [lengths(v) if isinstance(v, list) else None for v in value])
+
+
+def merge_appended(shared: list, before: Any, returned: list) -> None:
+    """Append to ``shared`` (and to its list items) what an invoke appended to its copy."""
+    count, items = before
+    for i, inner in enumerate(items):
+        if inner is not None and i < len(returned) and isinstance(returned[i], list) and isinstance(shared[i], list):
+            merge_appended(shared[i], inner, returned[i])
+    shared.extend(returned[count:])

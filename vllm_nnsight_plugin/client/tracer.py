@@ -15,7 +15,19 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from .capture import BlockSource, BodySkipper, SkipBlock, find_block, gather_values, push_locals
+from ..payload.codec import SharedList
+from .capture import (
+    BlockSource,
+    BodySkipper,
+    SkipBlock,
+    compile_trace_body,
+    find_block,
+    gather_values,
+    lengths,
+    merge_appended,
+    push_locals,
+    saves_outside_invokes,
+)
 
 if TYPE_CHECKING:
     from .model import VLLM
@@ -31,6 +43,8 @@ class Invoke:
     sampling: dict[str, Any]
     block: BlockSource
     values: dict[str, Any] = field(default_factory=dict)
+    # names of trace-level saved lists the block reads -> (the caller's list, its lengths when sent)
+    shared: dict[str, tuple[list, Any]] = field(default_factory=dict)
 
 
 class _Capturing:
@@ -67,6 +81,7 @@ class Tracer(_Capturing):
         self._sampling = sampling
         self._serve = (serve, api_key) if serve else None
         self._background: _Background | None = None  # blocking=False: the requests in flight
+        self._shared: dict[int, list] = {}  # lists the trace body saved (see _run_body)
         self._stream_saves = stream_saves
         self.backend: Any = None  # mode="async": the stream of this trace's outputs
         self._invokes: list[Invoke] = []
@@ -83,7 +98,35 @@ class Tracer(_Capturing):
         if self._prompt is not _NO_PROMPT:
             block, values = self._capture(frame)
             self._invokes.append(Invoke(self._prompt, {}, block, values))
+            return self
+        block = find_block(frame)
+        if saves_outside_invokes(block.statements):
+            self._run_body(frame, block)
         return self
+
+    def _run_body(self, frame: FrameType, block: BlockSource) -> None:
+        """A trace body that saves values of its own (``outs = list().save()``, appended to
+        in its invokes) runs here, with ``.save()`` marking those values as the trace's;
+        the body itself is then skipped. Its invokes capture their blocks as always."""
+        code = compile_trace_body(block)
+        names = dict(frame.f_locals)
+        names["__nnsight_trace_save__"] = self._share
+        if block.as_name:
+            names[block.as_name] = self
+        exec(code, frame.f_globals, names)  # noqa: S102 - the caller's own code, in the caller
+        before = frame.f_locals
+        changed = {k: v for k, v in names.items()
+                   if not k.startswith("__") and k != block.as_name and (k not in before or before[k] is not v)}
+        push_locals(frame, changed)
+        self._skipper = BodySkipper(frame, block.lineno)
+        self._skipper.arm()
+
+    def _share(self, value: Any) -> Any:
+        """``.save()`` in the trace body: a list the invokes may fill (other values are
+        the caller's own, returned as they are)."""
+        if isinstance(value, list):
+            self._shared[id(value)] = value
+        return value
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         self._release()
@@ -152,8 +195,11 @@ class Tracer(_Capturing):
         self.outputs = outputs
         bound: dict[str, Any] = {}
         first_error = None
-        for output in outputs:
-            saves = getattr(output, "saves", {}) or {}
+        for inv, output in zip(self._invokes, outputs):
+            saves = dict(getattr(output, "saves", {}) or {})
+            for name, (shared, before) in inv.shared.items():  # what this invoke appended, in order
+                if isinstance(saves.get(name), list):
+                    merge_appended(shared, before, saves.pop(name))
             bound.update(saves)
             info = getattr(output, "nnsight_error", None)
             if info is not None and first_error is None:
@@ -209,7 +255,12 @@ class Invoker(_Capturing):
     def __enter__(self) -> Invoker:
         frame = sys._getframe(1)
         block, values = self._capture(frame)
-        self.tracer._invokes.append(Invoke(self.prompt, self.sampling, block, values))
+        shared = {}
+        for name, value in list(values.items()):
+            if id(value) in self.tracer._shared and self.tracer._shared[id(value)] is value:
+                shared[name] = (value, lengths(value))
+                values[name] = SharedList(value)
+        self.tracer._invokes.append(Invoke(self.prompt, self.sampling, block, values, shared))
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:

@@ -61,6 +61,12 @@ class CodePayload:
     values: dict[str, Any] = field(default_factory=dict)
 
 
+class SharedList(list):
+    """A list the trace saved and invokes append to (nnsight's trace-level values): the
+    engine treats it as saved by the block, and the client merges what each invoke
+    appended into the caller's list, in invoke order."""
+
+
 class _RefPickler(cloudpickle.CloudPickler):
     def __init__(self, file: io.BytesIO, ref_of: Callable[[Any], tuple | None]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
