@@ -125,7 +125,7 @@ class RowLog:
         if like is None or len(self.counts) < 2 or not binary:
             return tagged.encode(self.tensors(), binary)
         inner = list(like.shape[1:])
-        data = bytearray(sum(self.counts) * math.prod(inner) * like.element_size())
+        data = tagged.buffer(sum(self.counts) * math.prod(inner) * like.element_size())  # (all gathered into)
         if data:
             self._gather(torch.frombuffer(data, dtype=like.dtype).view(-1, *inner))
         return {"$tensors": {"dtype": tagged.dtype_name(like.dtype),
