@@ -97,3 +97,18 @@ def test_trace_level_lists_are_filled_by_the_invokes_in_order(llama, hf_llama):
             with tracer.invoke(prompt):
                 flat.append(llama.logits)
     assert len(flat) == len(PROMPTS) and all(o.ran_as == "batched" for o in tracer.outputs)
+
+
+def _trace_in_a_function(llama, threshold):
+    with llama.trace(temperature=0.0, max_tokens=1) as tracer:
+        rows = list().save()
+        picked = [p for p in PROMPTS if len(p) > threshold]  # the caller's local, in a comprehension
+        for prompt in picked:
+            with tracer.invoke(prompt):
+                rows.append(llama.logits)
+    return rows, picked
+
+
+def test_a_trace_body_that_saves_sees_the_callers_names(llama):
+    rows, picked = _trace_in_a_function(llama, 5)
+    assert picked == PROMPTS[1:] and len(rows) == len(picked)

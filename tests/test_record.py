@@ -120,6 +120,25 @@ def test_in_place_tensor_methods_are_the_edits_they_make():
         {"op": "set", "value": 2.0, **where}]
 
 
+def test_copies_are_the_blocks_own_until_written_back():
+    """clone() and x[[rows]] copy, as in torch: editing a copy edits nothing of the
+    model, writing it back unchanged edits those rows, and restoring a copy taken
+    before an edit of the module runs as code."""
+    steer = {"op": "add", "module": "layers.0", "index": 0, "structure": 2, "value": [1.0] * 8, "steps": "prefill"}
+    ops = _ops("h = model.layers[0].output[0].clone()\nh += v\ny = model.layers[1].output[0].save()", v=VEC)
+    assert [op["op"] for op in ops] == ["read"]
+    assert _ops("model.layers[0].output[0][[0, 1]] += v", v=VEC) == [{**steer, "positions": [0, 1]}]
+    assert _ops("rows = model.layers[0].output[0][[0, 1]]\nrows += v\ny = model.layers[1].output[0].save()",
+                v=VEC)[0]["op"] == "read"
+    assert _ops("c = model.layers[0].output[0].clone()\nc[:] = 0\nmodel.layers[0].output[0][:] = c") == [
+        {**{k: v for k, v in steer.items() if k != "value"}, "op": "zero"}]
+    found = _plan("a = model.layers[0].output[0].clone()\nmodel.layers[0].output[0][:] += v\n"
+                  "model.layers[0].output[0][:] = a", v=VEC)
+    assert isinstance(found, Fallback) and "edited since" in found.why and found.line == 12
+    assert _ops("b = model.layers[0].output[0]\na = model.layers[0].output[0]\nb[:] = 0\na += v", v=VEC) == [
+        {**{k: v for k, v in steer.items() if k != "value"}, "op": "zero"}, steer]  # in the order made
+
+
 def test_an_edit_before_a_loop_and_the_same_edit_in_it_both_apply():
     steer = {"op": "add", "module": "layers.0", "index": 0, "structure": 2, "value": [1.0] * 8}
     assert _ops("model.layers[0].output[0][:] += v\nfor _ in tracer.all():\n    model.layers[0].output[0][:] += v",
@@ -182,6 +201,13 @@ def test_what_a_plan_cannot_hold_runs_as_code_naming_line_and_why():
         "for _ in tracer.all():\n    model.layers[0].output[0][:] *= 1e999": (11, "not finite"),
         "x = model.layers[5].output[0].save()": (10, "raised IndexError"),
         "while True:\n    pass": (10, "while being recorded"),
+        "n = 0\nfor _ in tracer.all():\n    if n < 3:\n        model.layers[0].output[0][:] += v\n    n += 1":
+            (11, "from one step to the next"),
+        "for k, _ in enumerate(tracer.all()):\n    if k == 0:\n        model.layers[0].output[0][:] += v":
+            (10, "from one step to the next"),
+        "while True:\n    try:\n        pass\n    except BaseException:\n        pass": (10, "while being recorded"),
+        "model.layers[0].output[0][:] += torch.randn(8)": (10, "draws random numbers"),
+        "for _ in tracer.all():\n    model.layers[0].output[0][:] += torch.randn(8)": (10, "from one step to the next"),
         "for s in tracer.iter[:5000]:\n    pass": (10, "more than 4096 steps"),
         "model.layers[0].output = (v, v)": (10, "assigns layers.0.output"),
         "y = model.layers[0].output[0][:, 3].save()": (10, "a plan picks whole rows"),

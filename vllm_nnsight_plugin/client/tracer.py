@@ -108,16 +108,21 @@ class Tracer(_Capturing):
         """A trace body that saves values of its own (``outs = list().save()``, appended to
         in its invokes) runs here, with ``.save()`` marking those values as the trace's;
         the body itself is then skipped. Its invokes capture their blocks as always."""
-        code = compile_trace_body(block)
-        names = dict(frame.f_locals)
-        names["__nnsight_trace_save__"] = self._share
+        try:
+            code = compile_trace_body(block)
+        except SyntaxError:  # (return/break/continue in the body: it runs where it is, as always)
+            return
+        before = frame.f_locals
+        # one namespace (the caller's globals and locals): comprehensions, lambdas and
+        # functions in the body see the caller's local names, as in the caller
+        names = {**frame.f_globals, **before, "__nnsight_trace_save__": self._share}
         if block.as_name:
             names[block.as_name] = self
-        exec(code, frame.f_globals, names)  # noqa: S102 - the caller's own code, in the caller
-        before = frame.f_locals
-        changed = {k: v for k, v in names.items()
-                   if not k.startswith("__") and k != block.as_name and (k not in before or before[k] is not v)}
-        push_locals(frame, changed)
+        initial = dict(names)
+        exec(code, names)  # noqa: S102 - the caller's own code, in the caller
+        changed = {k: v for k, v in names.items() if not k.startswith("__") and k != block.as_name
+                   and (k not in initial or initial[k] is not v)}
+        push_locals(frame, changed)  # (a function's own locals, or the module's globals)
         self._skipper = BodySkipper(frame, block.lineno)
         self._skipper.arm()
 

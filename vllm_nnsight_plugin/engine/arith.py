@@ -33,7 +33,7 @@ def operand(raw: Any, like: torch.Tensor) -> Operand:
         if not math.isfinite(value):
             raise ValueError("the value is NaN or inf")
         return value
-    t = tagged.decode_tensor(raw["$tensor"]) if isinstance(raw, dict) else torch.as_tensor(raw, dtype=torch.float32)
+    t = tagged.decode_tensor(raw["$tensor"]) if isinstance(raw, dict) else torch.as_tensor(raw, dtype=torch.float64)
     if not torch.isfinite(t).all():  # base64 bytes can hold what JSON numbers cannot
         raise ValueError("the value holds NaN or inf")
     wide = torch.float64 if like.dtype == torch.float64 else torch.float32

@@ -145,7 +145,7 @@ class BatchedEdits:
                     and steps == list(range(steps[0], steps[-1] + 1)):
                 op = {**op, "steps": "all" if steps[0] == 0 else "generated"}
             ops.append(op)
-        if len(self._for_request) > 1024:
+        if len(self._for_request) > 64:  # (keeps the specs alive: a few, as large payloads are not cached)
             self._for_request.clear()
         out = {**env, "ops": ops}
         self._for_request[key] = (env, out)

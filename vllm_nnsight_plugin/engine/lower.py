@@ -159,8 +159,9 @@ def _read(name: str, value: Any) -> tuple[int, dict[str, Any], int]:
     if any(v._where() != value[0]._where() for v in value):
         raise Unrecordable(f"saves a list ({name}) of values of different modules or rows", first.line)
     steps = [v._loc.step for v in value]
-    if len(steps) == 1 and isinstance(steps[0], str):
-        pass
+    if all(isinstance(s, str) for s in steps):  # (an open-ended loop's body is recorded twice)
+        if len(steps) != 2 or steps[0] != steps[1]:
+            raise Unrecordable(f"saves a list ({name}) that is not one value per step", first.line)
     elif all(isinstance(s, int) for s in steps) and all(a < b for a, b in zip(steps, steps[1:])):
         steps = list(steps)
     else:

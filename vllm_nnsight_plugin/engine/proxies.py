@@ -166,10 +166,33 @@ class RecTuple(_Value):
 class RecTensor(_Value):
     """A tensor a module gave (or the chosen rows of it)."""
 
-    __slots__ = ("_loc", "_index", "_positions", "_sum")
+    __slots__ = ("_loc", "_index", "_positions", "_sum", "_copied", "_pending", "_edits_at")
 
-    def __init__(self, rec: Recorder, loc: _Loc, index: int | None, positions: Any = None, total: bool = False):
+    def __init__(self, rec: Recorder, loc: _Loc, index: int | None, positions: Any = None, total: bool = False,
+                 copied: bool = False):
         self._rec, self._loc, self._index, self._positions, self._sum = rec, loc, index, positions, total
+        # a copy (clone(), x[[0, 2]]): its edits stay its own unless written back unchanged
+        self._copied, self._pending, self._edits_at = copied, [], len(rec.edits)
+
+    def _as(self, copied: bool) -> RecTensor:
+        return RecTensor(self._rec, self._loc, self._index, self._positions, self._sum, copied)
+
+    def _edit(self, kind: str, value: Any = None, factor: float = 1.0) -> None:
+        """An edit of these rows: of the module's value, or, on a copy, of the copy."""
+        if self._copied:
+            self._pending.append((kind, self._rec.operand(value) if kind in ("add", "set") else None, factor))
+        else:
+            self._rec.edit(kind, self, value, factor)
+
+    def _write_back(self, copy: RecTensor) -> None:
+        """``x[rows] = c`` with ``c`` a copy of those rows: its own edits become the module's,
+        if nothing edited the module since the copy was taken (else code: the copy is stale)."""
+        if not self._same_rows(copy) or self._rec.edited_since(self._where(), copy._edits_at):
+            self._rec.fail("writes a copy of a module's value back over rows it was not taken from, "
+                           "or that were edited since")
+        for kind, value, factor in copy._pending:
+            self._rec.edit(kind, self, value, factor)
+        copy._pending = []
 
     def _where(self) -> dict[str, Any]:
         if self._loc.io == "logits":
@@ -181,14 +204,16 @@ class RecTensor(_Value):
             where["sum"] = True
         elif self._index is not None:
             where["index"] = self._index
-        if self._loc.io == "output":
-            where["structure"] = self._loc.structure if self._loc.structure is not None else 0
+        if self._loc.io == "output" and self._loc.structure is not None:  # (unannotated: checked by nothing)
+            where["structure"] = self._loc.structure
         if self._positions is not None:
             where["positions"] = self._positions
         return where
 
     def _copy(self) -> RecTensor:
-        return RecTensor(self._rec, self._loc, self._index, self._positions, self._sum)
+        if self._pending:
+            self._rec.fail("saves a copy of a module's value that the block edited")
+        return self._as(False)
 
     def _same_rows(self, other: Any) -> bool:
         return isinstance(other, RecTensor) and other._where() == self._where() and other._loc.step == self._loc.step
@@ -208,14 +233,16 @@ class RecTensor(_Value):
         if self._loc.structure is None and self._index is None:
             self._rec.fail(f"indexes {self._loc.path}.output, whose forward does not say whether it returns "
                            "a tensor or a tuple")
-        if type(key) is int:
-            return RecTensor(self._rec, self._loc, self._index, key, self._sum)
-        if isinstance(key, list) and key and all(type(k) is int for k in key):
-            return RecTensor(self._rec, self._loc, self._index, list(key), self._sum)
+        if type(key) is int:  # (a view)
+            return RecTensor(self._rec, self._loc, self._index, key, self._sum, self._copied)
+        if isinstance(key, list) and key and all(type(k) is int for k in key):  # (a copy, as in torch)
+            return RecTensor(self._rec, self._loc, self._index, list(key), self._sum, True)
         self._rec.fail(f"indexes a module's value with {key!r} (a plan picks whole rows)")
 
     def clone(self, *args: Any, **kwargs: Any) -> RecTensor:
-        return self
+        if self._pending:
+            self._rec.fail("clones a copy of a module's value that the block edited")
+        return self._as(True)
 
     def detach(self) -> RecTensor:
         return self
@@ -250,19 +277,19 @@ class RecTensor(_Value):
     __rmul__ = __mul__
 
     def __iadd__(self, other: Any) -> RecTensor:
-        self._rec.edit("add", self, other)
+        self._edit("add", other)
         return self
 
     def __isub__(self, other: Any) -> RecTensor:
         if isinstance(other, _Value):
             self._rec.fail("subtracts module values")
-        self._rec.edit("add", self, -other if isinstance(other, (torch.Tensor, int, float)) else other)
+        self._edit("add", -other if isinstance(other, (torch.Tensor, int, float)) else other)
         return self
 
     def __imul__(self, other: Any) -> RecTensor:
         if isinstance(other, bool) or not isinstance(other, (int, float)):
             self._rec.fail("multiplies a module's value by something other than a number")
-        self._rec.edit("scale", self, factor=self._rec.operand(other))
+        self._edit("scale", factor=self._rec.operand(other))
         return self
 
     # in-place tensor methods, as the statements they are
@@ -288,19 +315,29 @@ class RecTensor(_Value):
         return self
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        target = self[key]
-        if value is target or (isinstance(value, RecTensor) and target._same_rows(value)):
-            return  # x[:] += v (the edit is noted), or x[:] = x[:]
+        sub = self[key]
+        if sub is not self and self._copied:
+            self._rec.fail("writes rows of a copy of a module's value")
+        target = sub if sub is self else sub._as(False)  # (x[[0, 2]] = ... writes x's rows, not a copy)
+        if value is target:
+            return  # x[:] += v (the edit is noted)
+        if isinstance(value, RecTensor) and value._copied and not target._copied:
+            target._write_back(value)  # x[[0, 2]] += v, or x[:] = a saved copy
+            return
+        if isinstance(value, RecTensor) and target._same_rows(value) and not value._pending:
+            return  # x[:] = x[:]
         if isinstance(value, _Expr):
-            if not target._same_rows(value.base):
+            base = value.base
+            if not target._same_rows(base) or base._pending \
+                    or (base._copied and self._rec.edited_since(target._where(), base._edits_at)):
                 self._rec.fail("assigns arithmetic on one module's value to another's rows")
-            self._rec.edit(value.kind, target, value.operand if value.kind == "add" else None,
-                           factor=self._rec.operand(value.operand) if value.kind == "scale" else 1.0)
+            target._edit(value.kind, value.operand if value.kind == "add" else None,
+                         factor=self._rec.operand(value.operand) if value.kind == "scale" else 1.0)
             return
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-            self._rec.edit("zero", target)
+            target._edit("zero")
             return
-        self._rec.edit("set", target, value)
+        target._edit("set", value)
 
 
 class _Expr(_Value):

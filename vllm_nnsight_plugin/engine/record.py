@@ -81,6 +81,8 @@ class Recorder:
     seq: int = 0
     edits: list[_Edit] = field(default_factory=list)
     saved: dict[int, Any] = field(default_factory=dict)
+    trail: list[tuple[str, str]] = field(default_factory=list)  # each access, in order
+    namespace: dict[str, Any] = field(default_factory=dict)  # the block's names, as it runs
     failed: Unrecordable | None = None
 
     def line(self) -> int | None:
@@ -105,6 +107,7 @@ class Recorder:
         if id(envoy._module) in self.shared:
             self.fail(f"{envoy._name()} is reachable by two paths (shared weights): it runs twice a step")
         self.seq += 1
+        self.trail.append((envoy._path, io))
         structure = self.structure_of(type(envoy._module)) if io == "output" else 0
         loc = _Loc(envoy._path, io, structure, self.at(), self.seq, self.line() or 0)
         if structure and structure > 0:
@@ -116,6 +119,7 @@ class Recorder:
         if self.after_open:
             self.fail("reads model.logits after an open-ended step loop")
         self.seq += 1
+        self.trail.append(("logits", "logits"))
         return RecTensor(self, _Loc("logits", "logits", 0, self.at(), self.seq, self.line() or 0), None)
 
     def edit(self, kind: str, target: RecTensor, value: Any = None, factor: float = 1.0) -> None:
@@ -127,8 +131,14 @@ class Recorder:
             self.fail("edits a module's value taken at another step")
         if kind in ("add", "set"):
             value = self.operand(value)
+        self.seq += 1  # (edits of one location apply in the order the block made them)
         self.edits.append(_Edit(kind, target._where(), value, float(factor), self.at(), self.line() or 0,
-                                target._loc.seq))
+                                self.seq))
+
+    def edited_since(self, where: dict[str, Any], count: int) -> bool:
+        """Whether an edit of ``where``'s module location was noted after the first ``count``."""
+        loc = (where.get("module"), where.get("io", "output"))
+        return any((e.where["module"], e.where.get("io", "output")) == loc for e in self.edits[count:])
 
     def operand(self, value: Any) -> Any:
         if isinstance(value, bool) or isinstance(value, (RecTensor, RecTuple, _Expr)):
@@ -145,7 +155,7 @@ class Recorder:
             self.fail("edits with a matrix (a plan adds one row to every row)")
         if not bool(torch.isfinite(value).all()):
             self.fail("edits with a tensor holding NaN or inf")
-        return value
+        return value.detach().clone()  # (its value now: the block may change the tensor later)
 
     def save(self, value: Any) -> Any:
         if isinstance(value, (RecTensor, RecTuple)):
@@ -174,12 +184,26 @@ class Recorder:
                     self.fail("an open-ended step loop from a later step than the prompt's next")
                 self.word = "all" if first == 0 else "generated"
                 self.step = first
-                try:
-                    yield _StepIndex(self)
-                except GeneratorExit:  # (a break, or the block raised: either way no plan)
-                    if self.failed is None:
-                        self.failed = Unrecordable("leaves an open-ended step loop early", self.line())
-                    raise
+                # the body runs twice: a plan holds it only if both times do the same (no
+                # Python state that changes what it does from one step to the next)
+                marks = [(len(self.edits), len(self.trail))]
+                names = []
+                index = _StepIndex(self)
+                for _ in range(2):
+                    try:
+                        yield index
+                    except GeneratorExit:  # (a break, or the block raised: either way no plan)
+                        if self.failed is None:
+                            self.failed = Unrecordable("leaves an open-ended step loop early", self.line())
+                        raise
+                    marks.append((len(self.edits), len(self.trail)))
+                    names.append(dict(self.namespace))
+                (e0, t0), (e1, t1), (e2, t2) = marks
+                if [_signature(e) for e in self.edits[e0:e1]] != [_signature(e) for e in self.edits[e1:e2]] \
+                        or self.trail[t0:t1] != self.trail[t1:t2] or not _same_state(*names):
+                    self.fail("its open-ended step loop does something else from one step to the next "
+                              "(Python state that changes between steps)")
+                del self.edits[e1:e2]  # (the second pass only checked the first)
                 self.after_open = True
                 return
             span = range(start or 0, stop, stride)
@@ -192,6 +216,33 @@ class Recorder:
                 yield i
         finally:
             self.in_loop, self.word = False, None
+
+
+def _same_state(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """Whether the block's names hold the same after two passes of a step loop's body
+    (module values aside: each pass reads them afresh). A counter, an ``enumerate``
+    index or a flag set in the body differs."""
+    if first.keys() != second.keys():
+        return False
+    for name, a in first.items():
+        b = second[name]
+        if a is b or isinstance(a, (RecTensor, RecTuple, _Expr, RecEnvoy)) and type(a) is type(b):
+            continue
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b)):
+                continue
+            return False
+        if isinstance(a, (int, float, str, bytes, bool, type(None))) and type(a) is type(b) and a == b:
+            continue
+        return False
+    return True
+
+
+def _signature(edit: _Edit) -> tuple:
+    value = edit.value
+    if isinstance(value, torch.Tensor):
+        value = (str(value.dtype), tuple(value.shape), value.float().flatten().tolist())
+    return edit.kind, repr(sorted(edit.where.items())), value, edit.factor
 
 
 # ------------------------------------------------------------ running the block
@@ -238,7 +289,7 @@ def _deadline(seconds: float) -> Iterator[None]:
         raise _TooLong
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)  # (again every 50 ms: a bare except cannot keep it)
     try:
         yield
     finally:
@@ -251,9 +302,10 @@ def run_block(rec: Recorder, code: Any, values: dict[str, Any], lineno: int,
     """Run the block's code against the proxies in ``values``: its namespace after.
     ``seconds``: how long the recording may run."""
     rec.code = code
-    namespace = dict(values)
+    namespace = rec.namespace = dict(values)
     namespace["__nnsight_save__"] = rec.save
     namespace["__builtins__"] = _builtins(rec)
+    rng = _rng_states()
     try:
         with _deadline(seconds):
             exec(code, namespace)  # noqa: S102 - the block, against proxies (code payloads are opt-in)
@@ -271,4 +323,13 @@ def run_block(rec: Recorder, code: Any, values: dict[str, Any], lineno: int,
         raise Unrecordable(f"it raised {type(exc).__name__}", line) from None
     if rec.failed is not None:
         raise rec.failed
+    if _rng_states() != rng:  # random values would be drawn once, for every request of the plan
+        raise Unrecordable("it draws random numbers (each request draws its own as code)", lineno)
     return namespace
+
+
+def _rng_states() -> tuple:
+    import random
+
+    cuda = tuple(t.sum().item() for t in torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
+    return (torch.random.get_rng_state().sum().item(), torch.random.initial_seed(), random.getstate(), cuda)
