@@ -323,7 +323,7 @@ def run_block(rec: Recorder, code: Any, values: dict[str, Any], lineno: int,
         raise Unrecordable(f"it raised {type(exc).__name__}", line) from None
     if rec.failed is not None:
         raise rec.failed
-    if _rng_states() != rng:  # random values would be drawn once, for every request of the plan
+    if _rng_moved(rng):  # random values would be drawn once, for every request of the plan
         raise Unrecordable("it draws random numbers (each request draws its own as code)", lineno)
     return namespace
 
@@ -331,5 +331,12 @@ def run_block(rec: Recorder, code: Any, values: dict[str, Any], lineno: int,
 def _rng_states() -> tuple:
     import random
 
-    cuda = tuple(t.sum().item() for t in torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
-    return (torch.random.get_rng_state().sum().item(), torch.random.initial_seed(), random.getstate(), cuda)
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
+    return torch.random.get_rng_state(), cuda, random.getstate()
+
+
+def _rng_moved(before: tuple) -> bool:
+    """Whether a random generator (torch's, CUDA's, Python's) drew since ``before``."""
+    now = _rng_states()
+    return not torch.equal(now[0], before[0]) or len(now[1]) != len(before[1]) \
+        or any(not torch.equal(a, b) for a, b in zip(now[1], before[1])) or now[2] != before[2]
