@@ -135,9 +135,9 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
         if _NAME.fullmatch(name) is None:
             raise Unrecordable(f"saves under the name {name[:80]!r}, longer than a plan carries", None)
         ops.append(_read(name, value))
-    edited = {(e.where["module"], e.where.get("io", "output")) for e in rec.edits}
+    edited = {e.location for e in rec.edits}
     for _, op, line in ops:
-        if (op.get("module"), op.get("io", "output")) in edited:
+        if record.location(op) in edited:
             raise Unrecordable(f"reads {op['module']}.{op.get('io', 'output')} beside an edit of it", line)
     ops.extend(_merged_edits(rec))
     if not ops:
@@ -177,14 +177,6 @@ def _read_op(name: str, where: dict[str, Any]) -> dict[str, Any]:
     return {"op": "read", "name": name, **where}
 
 
-def _operand_key(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu()
-        return (str(t.dtype), tuple(t.shape), t.numpy().tobytes() if t.dtype != torch.bfloat16
-                else t.view(torch.int16).numpy().tobytes())
-    return value
-
-
 def _merged_edits(rec: Recorder) -> list[tuple[int, dict[str, Any], int]]:
     """One op per distinct edit, with every step it applied at. The k-th like edit of
     a location within a step merges with the k-th of the other steps; merging must
@@ -192,8 +184,7 @@ def _merged_edits(rec: Recorder) -> list[tuple[int, dict[str, Any], int]]:
     merged: dict[tuple, list[Any]] = {}
     per_slot: dict[tuple, list[tuple]] = defaultdict(list)
     for e in rec.edits:
-        loc = (e.where["module"], e.where.get("io", "output"))
-        base = (e.kind, repr(sorted(e.where.items())), _operand_key(e.value), e.factor)
+        loc, base = e.location, e.signature
         slot = per_slot[(e.step, loc)]
         # (an open-ended loop's edit never merges with a step's: at its first step both apply)
         key = (base, isinstance(e.step, str), sum(1 for k in slot if k[0] == base))

@@ -65,6 +65,25 @@ class _Edit:
     line: int
     seq: int
 
+    @property
+    def location(self) -> tuple[str, str]:
+        return location(self.where)
+
+    @property
+    def signature(self) -> tuple:
+        """What the edit does, wherever and whenever it is made (like edits merge)."""
+        value = self.value
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu()
+            raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # (numpy has no bfloat16)
+            value = (str(t.dtype), tuple(t.shape), raw.numpy().tobytes())
+        return self.kind, repr(sorted(self.where.items())), value, self.factor
+
+
+def location(where: dict[str, Any]) -> tuple[str, str]:
+    """The module location (path, io) an op or a note reads or edits."""
+    return where.get("module"), where.get("io", "output")
+
 
 @dataclass
 class Recorder:
@@ -137,8 +156,8 @@ class Recorder:
 
     def edited_since(self, where: dict[str, Any], count: int) -> bool:
         """Whether an edit of ``where``'s module location was noted after the first ``count``."""
-        loc = (where.get("module"), where.get("io", "output"))
-        return any((e.where["module"], e.where.get("io", "output")) == loc for e in self.edits[count:])
+        loc = location(where)
+        return any(e.location == loc for e in self.edits[count:])
 
     def operand(self, value: Any) -> Any:
         if isinstance(value, bool) or isinstance(value, (RecTensor, RecTuple, _Expr)):
@@ -199,7 +218,7 @@ class Recorder:
                     marks.append((len(self.edits), len(self.trail)))
                     names.append(dict(self.namespace))
                 (e0, t0), (e1, t1), (e2, t2) = marks
-                if [_signature(e) for e in self.edits[e0:e1]] != [_signature(e) for e in self.edits[e1:e2]] \
+                if [e.signature for e in self.edits[e0:e1]] != [e.signature for e in self.edits[e1:e2]] \
                         or self.trail[t0:t1] != self.trail[t1:t2] or not _same_state(*names):
                     self.fail("its open-ended step loop does something else from one step to the next "
                               "(Python state that changes between steps)")
@@ -236,13 +255,6 @@ def _same_state(first: dict[str, Any], second: dict[str, Any]) -> bool:
             continue
         return False
     return True
-
-
-def _signature(edit: _Edit) -> tuple:
-    value = edit.value
-    if isinstance(value, torch.Tensor):
-        value = (str(value.dtype), tuple(value.shape), value.float().flatten().tolist())
-    return edit.kind, repr(sorted(edit.where.items())), value, edit.factor
 
 
 # ------------------------------------------------------------ running the block
