@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 EDIT_OPS = ("add", "scale", "zero", "set")
 READ_OPS = ("read", "logits")
 LOGITS = ("logits",)  # the location key of the logits rows (one per request, before sampling)
-READ_STEPS = ("prefill", "generated", "all")
 
 
 def _batchable(op: dict[str, Any]) -> bool:
@@ -113,7 +112,7 @@ class BatchedEdits:
         entries = []
         for op in env["ops"]:
             if op["op"] in READ_OPS and not is_single(op):  # one row block per step
-                session.namespace[op["name"]] = session.keep(RowLog(squeeze=isinstance(op.get("positions"), int)))
+                session.namespace[op["name"]] = session.keep(RowLog(squeeze=_one_row(op)))
         for number, op in enumerate(env["ops"]):
             if op["op"] == "logits":
                 entries.append((LOGITS, Entry(session, op, number, block, self._seq(op))))
@@ -219,7 +218,7 @@ class BatchedEdits:
         has only at its last chunk."""
         spans_of, chunks = layout.spans, layout.chunks
         if per_request:
-            spans_of = {r: (i, i + 1) for r, i in layout.rows.items() if not chunks.get(r, (0, 0, False))[2]}
+            spans_of = {r: (i, i + 1) for r, i in layout.rows.items() if not layout.more_chunks(r)}
         out = []
         for gkey, entry, sessions in groups:
             spans, due = [], []
@@ -428,8 +427,9 @@ class BatchedEdits:
             value, spans, num_tokens = _gathered(op, value, spans, num_tokens)
         last = max(end for _, end in spans)
         chunks = self.inter.layout.chunks if self.inter.layout is not None else None
+        chunked = bool(chunks) and any(s.req_id in chunks and s.step == 0 for s in sessions)
         if op.get("index") is None and isinstance(value, (tuple, list)):  # e.g. (hidden, residual)
-            if chunks and any(s.req_id in chunks and s.step == 0 for s in sessions):
+            if chunked:
                 kept = []
                 for span, session in zip(spans, sessions):
                     if session.req_id in chunks and session.step == 0:
@@ -451,7 +451,7 @@ class BatchedEdits:
                     session.namespace[name].append(view)  # shipped when the request ends
             return
         rows = _per_token_tensor(op, value, num_tokens)[:last]
-        if chunks and any(s.req_id in chunks and s.step == 0 for s in sessions):
+        if chunked:
             self._read_chunks(op, rows, spans, sessions, chunks)
             return
         if once:
@@ -475,7 +475,7 @@ class BatchedEdits:
             chunk = chunks.get(session.req_id) if session.step == 0 else None
             log = session.namespace.get(name)
             if once and not isinstance(log, RowLog):
-                log = session.namespace[name] = RowLog(squeeze=isinstance(op.get("positions"), int), single=True)
+                log = session.namespace[name] = RowLog(squeeze=_one_row(op), single=True)
             log.add(block, first + start, first + end, cont=chunk is not None and chunk[0] > 0)
             if once:
                 session.keep(log)  # (shipped again as it grows)
@@ -609,7 +609,12 @@ def _gathered(op: dict[str, Any], value: Any, spans: list[Any], num_tokens: int)
 
 def _view(rows: torch.Tensor, start: int, end: int, op: dict[str, Any]) -> torch.Tensor:
     """A request's rows of a read; one picked position (an int) drops the row dimension."""
-    return rows[start] if isinstance(op.get("positions"), int) else rows[start:end]
+    return rows[start] if _one_row(op) else rows[start:end]
+
+
+def _one_row(op: dict[str, Any]) -> bool:
+    """The op picks one position (an int): its value per step is that row, a vector."""
+    return isinstance(op.get("positions"), int)
 
 
 def _per_token_tensor(op: dict[str, Any], value: Any, num_tokens: int) -> torch.Tensor:

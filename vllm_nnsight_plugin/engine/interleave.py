@@ -88,7 +88,6 @@ class Interleaver:
         self._epoch = 0
         self._quiet: tuple[int, dict, list[RequestSession]] | None = None
         self._chunks: dict[str, tuple[int, int, bool]] = {}  # prompts split this step (see prompt_split)
-        self._max_tokens: int | None = None  # of the request being admitted
 
     # ------------------------------------------------------------ admission
     def admit(self, req_id: str, extra_args: dict[str, Any] | None, params: Any = None) -> None:
@@ -100,14 +99,15 @@ class Interleaver:
         kept_code = "nnsight_lower is off" if not lower.wanted(extra.get(compat.LOWER_KEY, True)) else \
             "its saves stream per step" if extra.get(compat.STREAM_KEY) else None  # why blocks stay code
         blocks: list[RequestSession] = []
-        self._max_tokens = getattr(params, "max_tokens", None)  # (plans' step ranges are read against it)
+        max_tokens = getattr(params, "max_tokens", None)  # (plans' step ranges are read against it)
         for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY)):
             blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
-                                        batchable=all(b.batched for b in blocks), kept_code=kept_code))
+                                        batchable=all(b.batched for b in blocks), kept_code=kept_code,
+                                        max_tokens=max_tokens))
         raw = extra.get(codec.PAYLOAD_KEY)
         if raw is not None:
             blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks),
-                                        kept_code=kept_code))
+                                        kept_code=kept_code, max_tokens=max_tokens))
         if blocks:
             self._epoch += 1
             self.sessions[req_id] = blocks
@@ -131,8 +131,8 @@ class Interleaver:
         wanted = {names} if isinstance(names, str) else set(names)
         return [(eid, e) for eid, e in self.edits.items() if e[0] is None or e[0] in wanted]
 
-    def _session(self, req_id: str, raw: Any, label: str = "", index: int = 0,
-                 batchable: bool = True, kept_code: str | None = None) -> RequestSession:
+    def _session(self, req_id: str, raw: Any, label: str = "", index: int = 0, batchable: bool = True,
+                 kept_code: str | None = None, max_tokens: int | None = None) -> RequestSession:
         """One block. ``batchable``: every earlier block of the request is batched, so a
         batched spec here still runs in block order (batched edits apply first).
         ``kept_code``: why a code block must run as code (None: if it is exactly a batched
@@ -141,14 +141,14 @@ class Interleaver:
         try:
             env = raw if isinstance(raw, dict) else codec.parse_envelope(raw)
             if env["kind"] == "spec":
-                self._admit_spec(session, env, index if batchable else None)
+                self._admit_spec(session, env, index if batchable else None, max_tokens)
                 session.ran_as = "batched" if session.batched else "spec, per request" + \
                     ("" if batchable else " (an earlier block of the request runs as code)")
                 return session
             planned = self.lowerings.get(env, self.check_module_access, self.integer_inputs) \
                 if kept_code is None and batchable else None
             if isinstance(planned, lower.Lowered):
-                self._admit_spec(session, planned.spec, index)
+                self._admit_spec(session, planned.spec, index, max_tokens)
                 session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
                 session.lowered = planned
                 lower.STATS["lowered"] += 1
@@ -188,7 +188,8 @@ class Interleaver:
         """Module paths whose input is an index tensor (see :mod:`.guards`)."""
         return frozenset(guards.table(self.model)["integer_inputs"])
 
-    def _admit_spec(self, session: RequestSession, env: dict[str, Any], batch_index: int | None) -> None:
+    def _admit_spec(self, session: RequestSession, env: dict[str, Any], batch_index: int | None,
+                    max_tokens: int | None = None) -> None:
         from functools import partial
 
         from .spec_runner import run_spec
@@ -196,7 +197,7 @@ class Interleaver:
         guards.refuse_integer_writes(env, self.integer_inputs)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
         if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
-            env = self.batched.for_request(env, self._max_tokens)
+            env = self.batched.for_request(env, max_tokens)
             self.batched.add(session, env, batch_index)
             session.batched = True
             session.batched_reads = batched.reads(env)
@@ -388,7 +389,7 @@ class Interleaver:
                 else:  # batched specs only, nothing to ship yet (per-step rows ship at the
                     # end; prompt reads right after the first step, while the request decodes;
                     # a spec that is over was recorded when it ended)
-                    more = layout.chunks.get(req_id, (0, 0, False))[2]  # (its prompt's step goes on)
+                    more = layout.more_chunks(req_id)  # (its prompt's step goes on)
                     if more:
                         advanced = None
                     for session in blocks:
@@ -411,7 +412,7 @@ class Interleaver:
                         "(accesses must follow execution order) or vLLM never called that module "
                         "(e.g. lm_head is applied inside compute_logits: use model.logits)"
                     )
-                if not layout.chunks.get(req_id, (0, 0, False))[2]:
+                if not layout.more_chunks(req_id):
                     session.step += 1
                 if req_id in finishing:
                     self._run(session, session.end)

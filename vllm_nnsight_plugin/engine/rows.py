@@ -27,6 +27,11 @@ class StepLayout:
     # prompt computed before this step, prompt length, whether more chunks follow)
     chunks: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
 
+    def more_chunks(self, req_id: str) -> bool:
+        """The request's prompt is split and this step is not its last chunk."""
+        chunk = self.chunks.get(req_id)
+        return chunk is not None and chunk[2]
+
     def sampled_token(self, req_id: str) -> int:
         """This step's token for a request (one device-to-host copy per step, on demand)."""
         if self.sampled_cpu is None:
