@@ -181,3 +181,23 @@ def test_plans_read_and_edit_prompts_split_by_chunked_prefill(gpt2, hf_gpt2):
 
     rec, p = hf(outs[2], prompt_rows)
     assert_close(s, rec["h3"][:p])
+
+
+def test_a_cache_of_a_prompt_split_by_chunked_prefill(gpt2, hf_gpt2):
+    """The tiny GPT-2 engine's budget is 64 tokens: a 150-token prompt comes in three
+    chunks; each cached module's prompt rows are gathered whole, in order."""
+    prompt = list(range(5, 155))
+    with gpt2.trace(temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+        for p in (prompt, prompt[::-1]):
+            with tracer.invoke({"prompt_token_ids": p}):
+                cache = tracer.cache(modules=["model.transformer.h.0", gpt2.transformer.h[1]]).save()
+    assert all(o.ran_as == "batched" for o in tracer.outputs)
+    out = tracer.outputs[1]  # (the last invoke's names are the ones bound)
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    with torch.no_grad():
+        states = hf_gpt2(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states
+    for i in (0, 1):
+        visits = cache.model.transformer.h[i].output
+        assert len(visits) == 2
+        assert_close(visits[0], states[i + 1][0][:150])
+        assert_close(visits[1], states[i + 1][0][150:151])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from vllm_nnsight_plugin.client.model import VLLM
 from vllm_nnsight_plugin.payload import codec, values
+from vllm_nnsight_plugin.payload.codec import PayloadError
 
 
 def test_tagged_values_round_trip():
@@ -143,3 +145,40 @@ def test_unpicklable_variable_is_named():
 
     with pytest.raises(codec.PayloadError, match="'lock'"):
         codec.encode_code(codec.CodePayload("lock", values={"lock": threading.Lock()}))
+
+
+def test_cache_ops_are_checked():
+    from vllm_nnsight_plugin.payload import spec
+
+    ok = {"v": 1, "kind": "spec", "ops": [{"op": "cache", "name": "c", "modules": ["model.layers.0"],
+                                           "inputs": True, "steps": "prefill", "dtype": "float16"}]}
+    spec.validate(ok)
+    bad = [({"op": "cache", "name": "c", "modules": []}, "modules"),
+           ({"op": "cache", "name": "c", "modules": ["a b"]}, "modules[0]"),
+           ({"op": "cache", "name": "c", "outputs": False}, "holds nothing"),
+           ({"op": "cache", "name": "c", "steps": [0, 1]}, "from the prompt on"),
+           ({"op": "cache", "name": "c", "dtype": "int8"}, "dtype"),
+           ({"op": "cache", "name": "c", "module": "model"}, "unknown field")]
+    for op, why in bad:
+        with pytest.raises(PayloadError, match=re.escape(why)):
+            spec.validate({"v": 1, "kind": "spec", "ops": [op]})
+
+
+def test_a_cache_value_decodes_to_a_navigable_view():
+    from vllm_nnsight_plugin.payload.cache import CacheView
+
+    h = [torch.ones(3, 4), torch.ones(1, 4) * 2]
+    body = {"$cache": {"dtype": None, "entries": [
+        ["model.layers.0", "output", "tuple", [values.encode(h), values.encode([t * 10 for t in h])]],
+        ["model.norm", "input", "tensor", [values.encode(torch.zeros(3, 4))]]]}}
+    cache = values.decode(json.loads(json.dumps(values.to_json(body))))
+    assert isinstance(cache, CacheView) and cache.keys() == ["model.model.layers.0", "model.model.norm"]
+    visits = cache.model.model.layers[0].output
+    assert len(visits) == 2 and torch.equal(visits[1][1], h[1] * 10)
+    assert torch.equal(cache["model.model.norm"].input, torch.zeros(3, 4))
+    assert cache.model.model.norm.inputs == ((cache.model.model.norm.input,), {})
+    assert cache.model.model.layers[-1] is not None and "model.model.norm" in cache
+    with pytest.raises(IndexError, match="out of range"):
+        cache.model.model.layers[1]
+    with pytest.raises(KeyError, match="was not cached"):
+        cache["model.lm_head"]

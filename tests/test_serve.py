@@ -171,6 +171,21 @@ def test_non_blocking_served_traces_are_collected_later(code_server, llama_path,
     assert tracers[0].collect() is tracers[0].outputs  # collected once; later calls return the outputs
 
 
+def test_a_served_trace_returns_a_cache(code_server, llama_path, hf_llama):
+    model = VLLM(llama_path)
+    with model.trace("Hello world", serve=code_server.url, api_key=KEY, temperature=0.0, max_tokens=2,
+                     ignore_eos=True) as tracer:
+        cache = tracer.cache(modules=[model.model.layers[1], model.model.layers[2].mlp])
+        result = tracer.result.save()
+    assert sorted(cache.keys()) == ["model.model.layers.1", "model.model.layers.2.mlp"]
+    rec = HFRun(hf_llama, result.prompt_token_ids).record("l1", hf_llama.model.layers[1])
+    rec.record("mlp2", hf_llama.model.layers[2].mlp).logits()
+    prompt, generated = cache.model.model.layers[1].output
+    assert_close(prompt[0] + prompt[1], rec.records["l1"])
+    assert generated[0].shape == (1, 128)
+    assert_close(cache["model.model.layers.2.mlp"].output[0], rec.records["mlp2"])
+
+
 def test_gpu_less_client_checks_paths_against_the_server(code_server, llama_path):
     model = VLLM(llama_path)
     with pytest.raises(AttributeError, match="submodules: .*mlp"):
@@ -461,6 +476,7 @@ def test_operator_limits_on_saved_values(spec_server):
     cases = [
         ({"op": "read", "name": "big", "module": "model.layers.0"}, long_prompt, 1, "bytes"),  # ~2 x n x 512 B
         ({"op": "logits_topk", "name": "t", "k": 1, "steps": "all"}, "Hello", 200, "values"),  # 400 leaves
+        ({"op": "cache", "name": "c"}, "Hello", 20, "bytes"),  # every module: ~30 kB a step
     ]
     for op, prompt, max_tokens, _ in cases:
         status, body = spec_server.post("/v1/completions", {

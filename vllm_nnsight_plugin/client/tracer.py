@@ -169,6 +169,10 @@ class Tracer(_Capturing):
     def all(self) -> Any:
         raise RuntimeError("tracer.all() is only available inside a traced block")
 
+    def cache(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("Cannot create a cache outside an invoker: call tracer.cache() inside "
+                         "`with tracer.invoke(...)` (or in the body of model.trace(prompt))")
+
     def barrier(self, *args: Any) -> Any:
         raise NotImplementedError("tracer.barrier: each invoke is an independent vLLM request")
 

@@ -24,6 +24,7 @@ import torch
 
 from ..payload.spec import is_single
 from . import arith, lanes, taps
+from .cache import Dropped
 from .guards import check_writable
 from .host import host_copy, put_rows
 from .rowlog import RowLog
@@ -106,6 +107,9 @@ class BatchedEdits:
         self._seqs: dict[int, tuple[dict[str, Any], int]] = {}  # id(op) -> (op, its seq)
         self._for_request: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}  # see for_request
         self._next_seq = 0
+        self.late: set[tuple] = set()  # locations with late entries (cache reads: after every edit)
+        self._expanded: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # see with_caches
+        self.cache_expansions: dict[str, Any] = {}  # cache op text -> its reads (see cache.expander)
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
         """Register a request's ops (applied in block then spec order per location)."""
@@ -123,7 +127,33 @@ class BatchedEdits:
             entries.append(((id(envoy._module), kind), Entry(session, op, number, block, self._seq(op))))
         for key, entry in entries:  # all ops checked first: a refused spec registers nothing
             self.at[key].append(entry)
+            if entry.op.get("late"):
+                self.late.add(key)
         self._version += 1
+
+    def with_caches(self, env: dict[str, Any], expand: Any) -> dict[str, Any]:
+        """The spec with each ``cache`` op replaced by its reads (``expand(op)``: an
+        :class:`.cache.Expansion`), listed under ``"caches"``. Cached per spec, so
+        requests of one spec share the reads (their ops group by identity)."""
+        if not any(op["op"] == "cache" for op in env["ops"]):
+            return env
+        known = self._expanded.get(id(env))
+        if known is not None and known[0] is env:
+            return known[1]
+        ops: list[dict[str, Any]] = []
+        caches = []
+        for op in env["ops"]:
+            if op["op"] != "cache":
+                ops.append(op)
+                continue
+            expansion = expand(op)
+            caches.append(expansion)
+            ops.extend(expansion.reads)
+        if len(self._expanded) > 64:
+            self._expanded.clear()
+        out = {**env, "ops": ops, "caches": caches}
+        self._expanded[id(env)] = (env, out)
+        return out
 
     def for_request(self, env: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
         """The spec as it runs for a request of ``max_tokens`` steps: an op whose
@@ -174,24 +204,31 @@ class BatchedEdits:
                 self.at[key] = alive
             else:
                 del self.at[key]
+                self.late.discard(key)
         live = {id(e.op) for entries in self.at.values() for e in entries}
         self._seqs = {k: v for k, v in self._seqs.items() if k in live}
 
-    def apply(self, key: tuple, value: Any) -> None:
-        """Apply every batched edit registered at ``key`` to this step's rows."""
+    def apply(self, key: tuple, value: Any, late: bool = False) -> None:
+        """Apply every batched edit registered at ``key`` to this step's rows; ``late``:
+        the late reads instead (a cache's, after the blocks parked here have run)."""
         layout = self.inter.layout
         self.served.add(key)
         if key in self.laned:  # the tap op's lane kernels applied them (see finish_lanes)
             return
         lanes.STATS["python"] += 1
         rows = layout.num_tokens if key != LOGITS else value.shape[0]
-        for _, entry, spans, sessions in self._pick(self._groups(key), layout, key == LOGITS):
+        groups = self._groups(key)
+        if key in self.late:
+            groups = [g for g in groups if bool(g[1].op.get("late")) is late]
+        for _, entry, spans, sessions in self._pick(groups, layout, key == LOGITS):
             try:
                 if entry.op["op"] in READ_OPS:
                     self._read(entry.op, value, spans, sessions, rows)
                     continue
                 self._apply_one(entry.op, value, spans, layout.num_tokens)
             except Exception as exc:  # noqa: BLE001 - a bad edit ends the requests that sent it
+                if entry.op.get("optional"):
+                    continue  # (a cached module whose value has no row per token: left out)
                 for session in sessions:
                     session.fail(f"{_where(entry)}: {exc}")
 
@@ -404,7 +441,7 @@ class BatchedEdits:
                 continue
             for entry in entries:
                 session = entry.session
-                if session.active and session.req_id in layout.spans:
+                if session.active and session.req_id in layout.spans and not entry.op.get("optional"):
                     session.fail(
                         f"ops[{entry.number}] ({entry.op['op']} {entry.op.get('module', 'logits')}."
                         f"{entry.op.get('io', 'output')}) was not reached at step {session.step}: vLLM "
@@ -433,8 +470,11 @@ class BatchedEdits:
                 kept = []
                 for span, session in zip(spans, sessions):
                     if session.req_id in chunks and session.step == 0:
-                        session.fail(f"{op['module']}: a read of a whole tuple cannot gather a prompt "
-                                     "split by chunked prefill; read one element (index) or the sum")
+                        if op.get("optional"):  # (a cache leaves the module out for this request)
+                            session.namespace[name] = Dropped()
+                        else:
+                            session.fail(f"{op['module']}: a read of a whole tuple cannot gather a prompt "
+                                         "split by chunked prefill; read one element (index) or the sum")
                     else:
                         kept.append((span, session))
                 if not kept:

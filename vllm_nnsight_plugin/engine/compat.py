@@ -29,6 +29,9 @@ KV_CACHE_MANAGER = ("vllm.v1.core.kv_cache_manager", "KVCacheManager")
 KV_MANAGER_FREES = ("free", "pop_blocks_for_free")  # (request): a request's blocks go back to the pool
 BLOCK_POOL = ("vllm.v1.core.block_pool", "BlockPool")
 BLOCK_POOL_ALLOCATE = "get_new_blocks"  # (num_blocks) -> blocks: the only fresh allocation
+# top-level modules vLLM calls outside the model's forward (compute_logits, sampling):
+# a cache of every module leaves them out
+OUTSIDE_FORWARD = frozenset({"lm_head", "logits_processor", "sampler"})
 SCHEDULER_REQUEST_UPDATE = "_update_request_with_output"  # per request per step: (new ids, stopped)
 INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cache import cache_op
 from .session import _NOTHING, END, StopBlock, Wait
 
 if TYPE_CHECKING:
@@ -219,6 +220,14 @@ class WorkerTracer:
 
     def stop(self) -> None:
         raise StopBlock()
+
+    def cache(self, modules: Any = None, device: Any = None, dtype: Any = None, detach: bool = True,
+              include_output: bool = True, include_inputs: bool = False, **_: Any) -> Any:
+        """nnsight's activation cache: every module's value (or those of ``modules``)
+        from here to the request's end, returned with the block's saves."""
+        session = self._inter.require_session()
+        op = cache_op(f"c{session.caches}", modules, dtype, include_output, include_inputs)
+        return self._inter.cache_for(session, op)
 
     def log(self, *args: Any) -> None:
         self._inter.require_session().warnings.append(" ".join(str(a) for a in args))

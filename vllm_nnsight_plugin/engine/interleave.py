@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..payload import codec
-from . import batched, budget, compat, guards, host, isolation, lanes, lower, taps
+from . import batched, budget, cache, compat, guards, host, isolation, lanes, lower, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
@@ -195,10 +195,12 @@ class Interleaver:
         from .spec_runner import run_spec
 
         guards.refuse_integer_writes(env, self.integer_inputs)
+        env = self.batched.with_caches(env, cache.expander(self))
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
         if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
             env = self.batched.for_request(env, max_tokens)
             self.batched.add(session, env, batch_index)
+            cache.bind(session, env)
             session.batched = True
             session.batched_reads = batched.reads(env)
             session.prefill_reads = batched.prefill_reads(env)
@@ -209,13 +211,23 @@ class Interleaver:
             if self.eager:
                 for op in env["ops"]:
                     if "module" in op:
-                        self._ensure_hook(self.envoy_at(op["module"])._module, op.get("io", "output"))
+                        self.ensure_hook(self.envoy_at(op["module"])._module, op.get("io", "output"))
             return
+        for expansion in env.get("caches", ()):  # (their reads run batched; the spec's other ops here)
+            session.namespace[expansion.name] = cache.attach(self, session, expansion, 1 << 20)
         session.namespace.update(
             model=self.root,
             tracer=self.tracer,
-            __nnsight_run_spec__=partial(run_spec, ops=env["ops"], session=session, inter=self),
+            __nnsight_run_spec__=partial(run_spec, ops=[op for op in env["ops"] if not op.get("late")],
+                                         session=session, inter=self),
         )
+
+    def cache_for(self, session: RequestSession, op: dict[str, Any]) -> cache.ModuleCache:
+        """``tracer.cache()`` in a block that runs as code."""
+        from ..payload import spec
+
+        spec.validate({"v": 1, "kind": "spec", "ops": [op]})
+        return cache.attach(self, session, cache.expander(self)(op), 1 << 20)
 
     def envoy_at(self, path: str) -> WorkerEnvoy:
         """The envoy of a dotted module path (``model.layers.1.mlp``)."""
@@ -551,14 +563,14 @@ class Interleaver:
         key = wait.key
         self.waiters[key].append(session)
         if wait.module is not None and self.eager:  # compiled engines: the tap op serves
-            self._ensure_hook(wait.module, wait.kind)
+            self.ensure_hook(wait.module, wait.kind)
             # A hook added while a module runs is ignored for that call (torch picks
             # its hooks at call entry), so enclosing modules get theirs now: a later
             # read of a parent's output (layer after its mlp) is then still served.
             for parent in self._ancestors(wait.module):
-                self._ensure_hook(parent, "output")
+                self.ensure_hook(parent, "output")
 
-    def _ensure_hook(self, module: torch.nn.Module, kind: str) -> None:
+    def ensure_hook(self, module: torch.nn.Module, kind: str) -> None:
         key = (id(module), kind)
         if key not in self.hooks:
             self.hooks[key] = self._install(module, kind)
@@ -764,13 +776,19 @@ class Interleaver:
         return kept
 
     def serve(self, key: tuple, value: Any, row_based: bool = False) -> None:
-        """Give every session parked on ``key`` for this step its rows of ``value``."""
+        """Give every session parked on ``key`` for this step its rows of ``value``;
+        then the late reads (caches) see what the blocks made of it."""
         layout = self.layout
         if layout is not None and key in self.batched.at:
             self.batched.apply(key, value)
         waiting = self.waiters.get(key)
-        if layout is None or not waiting:
-            return
+        if layout is not None and waiting:
+            self._serve_waiting(key, value, waiting, row_based)
+        if layout is not None and key in self.batched.late:
+            self.batched.apply(key, value, late=True)
+
+    def _serve_waiting(self, key: tuple, value: Any, waiting: list[RequestSession], row_based: bool) -> None:
+        layout = self.layout
         self._note_served(value)
         # a fresh list: blocks served here may park on this key again (a later step), and
         # removing served sessions one by one from a list of hundreds is quadratic

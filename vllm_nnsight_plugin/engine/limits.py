@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .cache import ModuleCache
 from .rowlog import RowLog
 from .tree import leaves
 
@@ -30,7 +31,7 @@ def measure(value: Any) -> tuple[int, int]:
     for item in leaves(value):
         if isinstance(item, torch.Tensor):
             count, size = count + 1, size + item.numel() * item.element_size()
-        elif isinstance(item, RowLog):  # a batched read's per-step rows
+        elif isinstance(item, (RowLog, ModuleCache)):  # a batched read's per-step rows; a cache's
             count, size = count + item.count(), size + item.nbytes()
         else:
             count += 1

@@ -125,6 +125,7 @@ def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: d
 
 def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
     ops: list[tuple[int, dict[str, Any], int]] = []  # (access order, op, line)
+    caches: list[tuple[int, dict[str, Any], int]] = []
     seen: set[int] = set()
     for name, value in namespace.items():
         if name.startswith("__") or id(value) not in rec.saved or rec.saved[id(value)] is not value:
@@ -134,12 +135,16 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
         seen.add(id(value))
         if _NAME.fullmatch(name) is None:
             raise Unrecordable(f"saves under the name {name[:80]!r}, longer than a plan carries", None)
+        if isinstance(value, record.RecCache):  # (after every other op: it reads what they made)
+            caches.append((1 << 62, {**value.op, "name": name}, value.line))
+            continue
         ops.append(_read(name, value))
     edited = {e.location for e in rec.edits}
     for _, op, line in ops:
         if record.location(op) in edited:
             raise Unrecordable(f"reads {op['module']}.{op.get('io', 'output')} beside an edit of it", line)
     ops.extend(_merged_edits(rec))
+    ops.extend(caches)
     if not ops:
         raise Unrecordable("it reads and edits nothing", None)
     ops.sort(key=lambda item: item[0])
@@ -208,6 +213,19 @@ def _merged_edits(rec: Recorder) -> list[tuple[int, dict[str, Any], int]]:
     return out
 
 
+def _check_cache(model: torch.nn.Module, op: dict[str, Any], check_access: Callable[[str, str], None]) -> None:
+    """A cache's named modules exist and are served (a cache of every module takes
+    those the engine serves)."""
+    from .cache import resolve_path
+
+    for raw in op.get("modules") or ():
+        path = resolve_path(model, raw)
+        model.get_submodule(path)
+        for io, flag in (("output", op.get("outputs", True)), ("input", op.get("inputs", False))):
+            if flag:
+                check_access(path, io)
+
+
 CACHEABLE = 64 * 1024  # payload text (values + source) whose lowering is cached
 
 
@@ -253,9 +271,12 @@ class Lowerings:
             found = Fallback(f"recording it failed ({type(exc).__name__})", env["lineno"])
         if isinstance(found, Lowered):
             for op, line in zip(found.spec["ops"], found.lines):
-                if "module" not in op:
+                if "module" not in op and op["op"] != "cache":
                     continue  # (the logits: served in every mode)
                 try:
+                    if op["op"] == "cache":
+                        _check_cache(self.model, op, check_access)
+                        continue
                     check_access(op["module"], op.get("io", "output"))
                     guards.refuse_integer_writes({"kind": "spec", "ops": [op]}, integer_inputs)
                 except Exception as exc:  # noqa: BLE001 - refused: the block reports it itself

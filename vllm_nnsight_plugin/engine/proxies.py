@@ -379,6 +379,10 @@ class RecTracer:
     def all(self) -> Iterator[Any]:
         return self._rec.steps(None, None, 1)
 
+    def cache(self, modules: Any = None, device: Any = None, dtype: Any = None, detach: bool = True,
+              include_output: bool = True, include_inputs: bool = False, **_: Any) -> Any:
+        return self._rec.cache(modules, dtype, include_output, include_inputs)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)

@@ -80,6 +80,14 @@ class _Edit:
         return self.kind, repr(sorted(self.where.items())), value, self.factor
 
 
+@dataclass
+class RecCache:
+    """``tracer.cache()``'s value while recorded: its op (named when assembled)."""
+
+    op: dict[str, Any]
+    line: int
+
+
 def location(where: dict[str, Any]) -> tuple[str, str]:
     """The module location (path, io) an op or a note reads or edits."""
     return where.get("module"), where.get("io", "output")
@@ -177,6 +185,8 @@ class Recorder:
         return value.detach().clone()  # (its value now: the block may change the tensor later)
 
     def save(self, value: Any) -> Any:
+        if isinstance(value, RecCache):
+            return value  # (saved already)
         if isinstance(value, (RecTensor, RecTuple)):
             copy = value._copy()  # (as a block's save: a copy; the saved name is the one bound to it)
             self.saved[id(copy)] = copy
@@ -188,6 +198,22 @@ class Recorder:
         if isinstance(value, _Expr):
             self.fail("saves arithmetic on a module's value")
         self.fail(f"saves a {type(value).__name__}, not a module's value")
+
+    def cache(self, modules: Any, dtype: Any, include_output: bool, include_inputs: bool) -> RecCache:
+        """``tracer.cache()``: a cache op from the prompt on (saved by the name it is bound to)."""
+        from .cache import cache_op
+
+        if self.in_loop or self.step != 0 or self.after_open:
+            self.fail("calls tracer.cache() inside or after a step loop (a plan caches from the prompt on)")
+        if modules is not None and not isinstance(modules, (list, tuple, str, RecEnvoy)):
+            self.fail(f"caches modules given as a {type(modules).__name__}")
+        try:
+            op = cache_op("cache", modules, dtype, include_output, include_inputs)
+        except Exception as exc:  # noqa: BLE001 - the block's own error: code reports it at its line
+            self.fail(f"tracer.cache() raised {type(exc).__name__}")
+        value = RecCache(op, self.line() or 0)
+        self.saved[id(value)] = value
+        return value
 
     # ------------------------------------------------------------ steps
     def steps(self, start: int | None, stop: int | None, stride: int) -> Iterator[Any]:

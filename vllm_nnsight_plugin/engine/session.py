@@ -19,6 +19,7 @@ import greenlet
 import torch
 
 from .budget import BlockTimeout
+from .cache import ModuleCache
 from .host import host_copy
 from .rowlog import RowLog
 from .tree import leaves, map_tensors
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from .interleave import Interleaver
 
 _NOTHING = object()
-GROWS = (list, dict, RowLog)  # saved values that change in place (shipped again at the end)
+GROWS = (list, dict, RowLog, ModuleCache)  # saved values that change in place (shipped again at the end)
 END = object()  # given to a block parked between steps when its request has finished
 
 
@@ -177,6 +178,7 @@ class RequestSession:
     _glet: greenlet.greenlet | None = None
     code_time: float = 0.0  # seconds its block has run (budget.Watchdog)
     ran_as: str = ""  # how the block runs: "batched", or "code: <file>:<line> (<why>)"
+    caches: int = 0  # tracer.cache()s the block made: it stays (parked) until its request ends
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -240,6 +242,9 @@ class RequestSession:
         drop what it made or saved. Its namespace refers back to this session, so
         without this only a garbage collection would free the tensors in it."""
         self.close()
+        for value in self._saved.values():
+            if isinstance(value, ModuleCache):
+                value.keep_values()  # (it ships later, from the values of its reads)
         self.namespace.clear()
         self._saved.clear()
         self._cpu.clear()
@@ -271,6 +276,12 @@ class RequestSession:
         except BaseException as exc:  # noqa: BLE001 - any error ends only this request
             self.fail(exc)
             return
+        if self.caches and not self.stopped:  # its caches' reads go on to the request's end (as nnsight's do)
+            try:
+                while not self.ended and self.request(Wait("step", self.step + 1)) is not END:
+                    pass
+            except greenlet.GreenletExit:
+                return
         self.done = True
         self.wait = None
 

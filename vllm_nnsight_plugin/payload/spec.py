@@ -12,7 +12,11 @@ any element is looked at. Errors name the bad field. The worker then runs it
       {"op": "read", "name": "h1", "module": "model.layers.1", "index": 0, "positions": [-1]},
       {"op": "read", "name": "stream", "module": "model.layers.1", "sum": true, "steps": "all"},
       {"op": "add", "module": "model.layers.0", "index": 0, "value": [0.1, ...], "steps": "all"},
-      {"op": "logits_topk", "name": "top", "k": 5, "steps": "all"}]}
+      {"op": "logits_topk", "name": "top", "k": 5, "steps": "all"},
+      {"op": "cache", "name": "cache", "modules": ["model.layers.0"], "inputs": false}]}
+
+A ``cache`` op is nnsight's ``tracer.cache()``: every named module's value (or
+those of ``modules``) at each step, returned as one value (:mod:`.cache`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "set": (("op", "module", "value"), _LOCATION),
     "scale": (("op", "module", "factor"), _LOCATION),
     "zero": (("op", "module"), _LOCATION),
+    "cache": (("op", "name"), ("modules", "inputs", "outputs", "steps", "dtype")),
 }
+MAX_CACHED_MODULES = 4096
 WRITES = ("add", "set", "scale", "zero")
 
 
@@ -195,6 +201,27 @@ def _check_op(op: Any, i: int, max_width: int | None) -> None:
         c.tensor("value", max_width)
     if op.get("sum") and op.get("index") is not None:
         c.fail("sum", "a sum of the value's tensors takes no index")
+    if kind == "cache":
+        _check_cache(c, op)
+
+
+def _check_cache(c: _Op, op: dict[str, Any]) -> None:
+    modules = op.get("modules")
+    if modules is not None:
+        if not isinstance(modules, list) or not modules or len(modules) > MAX_CACHED_MODULES:
+            c.fail("modules", f"must be a list of 1 to {MAX_CACHED_MODULES} module paths")
+        for i, path in enumerate(modules):
+            if not isinstance(path, str) or len(path) > 256 or _MODULE.fullmatch(path) is None:
+                c.fail(f"modules[{i}]", f"{str(path)[:80]!r} is not a module path")
+    for flag in ("inputs", "outputs"):
+        if flag in op and type(op[flag]) is not bool:
+            c.fail(flag, "must be true or false")
+    if not op.get("outputs", True) and not op.get("inputs", False):
+        c.fail("outputs", "a cache of neither outputs nor inputs holds nothing")
+    if isinstance(op.get("steps"), list):
+        c.fail("steps", "a cache runs from the prompt on: 'all', 'prefill' or 'generated'")
+    if op.get("dtype") is not None and op["dtype"] not in TENSOR_DTYPES:
+        c.fail("dtype", f"{op['dtype']!r:.40} is not one of {', '.join(TENSOR_DTYPES)}")
 
 
 def validate(env: dict[str, Any], max_width: int | None = None) -> dict[str, Any]:

@@ -12,7 +12,8 @@ instead:
   little-endian bytes, C order), ``{"$tuple": [...]}``, ``{"$dict": [[k, v], ...]}``,
   ``{"$float": "nan" | "inf" | "-inf"}``, ``{"$size": [...]}``,
   ``{"$dtype": "float32"}``, ``{"$result": [[op, arg], ...]}`` (a path into the
-  finished request's ``RequestOutput``, resolved by the client).
+  finished request's ``RequestOutput``, resolved by the client), ``{"$cache": ...}``
+  (``tracer.cache()``'s modules, see :mod:`.cache`).
 - A list of two or more tensors of one dtype (a value per step) is
   ``{"$tensors": {"dtype", "shapes", "data"}}``: one base64 of the tensors' bytes
   one after another, split by ``shapes``; it decodes to the list of tensors.
@@ -219,4 +220,8 @@ def decode(obj: Any, resolve_result: Any = None) -> Any:
         return _DTYPES[body]
     if tag == "$result":
         return resolve_result(body) if resolve_result else {"$result": body}
+    if tag == "$cache":
+        from .cache import decode as decode_cache
+
+        return decode_cache(body, lambda v: decode(v, resolve_result))
     raise ValueError(f"unknown result tag {tag!r}")

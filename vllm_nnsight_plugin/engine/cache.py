@@ -1,0 +1,250 @@
+"""``tracer.cache()`` in the worker: a ``cache`` op as batched reads of every module.
+
+A cache op (from a JSON spec, a block's plan, or ``tracer.cache()`` in a block
+that runs as code) becomes one batched read per cached module location, run by
+:mod:`.batched` like any read: one host copy of a location's rows per step for
+all requests, chunked prompts gathered in order. The reads are *late*: at a
+location they run after every edit of it (batched or by a block), so the cache
+holds what the forward went on with, as nnsight's cache does. They are
+*optional*: a module the forward never calls (``lm_head``, applied inside
+``compute_logits``) or whose value has no row per token is left out instead of
+failing the request.
+
+The reads' values stay in the session's namespace under derived names; the
+:class:`ModuleCache` bound to the user's name gathers them when results ship
+(:mod:`..payload.cache` is the client's side).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..payload import values as tagged
+from .rowlog import RowLog
+
+_PREFIX = "__cache__"  # derived names (a snapshot ships no name starting with "__")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One cached location: ``path``'s ``io``, read whole (``names`` one name) or one
+    read per element of the tuple its forward returns."""
+
+    path: str
+    io: str
+    names: tuple[str, ...]
+    is_tuple: bool
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """A cache op as read ops, and how their values make the cache."""
+
+    name: str
+    reads: tuple[dict[str, Any], ...]
+    parts: tuple[Part, ...]
+    dtype: str | None
+
+
+def expand(op: dict[str, Any], paths: list[str], structure_of: Callable[[str], int | None]) -> Expansion:
+    """The reads of a cache op over ``paths`` (module paths in forward order);
+    ``structure_of(path)``: N for a module whose forward returns a tuple of N
+    tensors, else None (read as it comes)."""
+    ios = [io for io, flag in (("output", op.get("outputs", True)), ("input", op.get("inputs", False))) if flag]
+    steps = op.get("steps", "all")
+    reads: list[dict[str, Any]] = []
+    parts: list[Part] = []
+    for path in paths:
+        for io in ios:
+            n = structure_of(path) if io == "output" else None
+            names = []
+            for element in range(n) if n else (None,):
+                name = f"{_PREFIX}{op['name']}.{len(reads)}"
+                read = {"op": "read", "name": name, "module": path, "io": io, "steps": steps,
+                        "late": True, "optional": True}
+                if element is not None:
+                    read.update(index=element, structure=n)
+                reads.append(read)
+                names.append(name)
+            parts.append(Part(path, io, tuple(names), bool(n)))
+    return Expansion(op["name"], tuple(reads), tuple(parts), op.get("dtype"))
+
+
+class Dropped:
+    """A cached location left out for a request (a whole tuple of a prompt split by
+    chunked prefill cannot be gathered): later steps' values are not kept either."""
+
+    __slots__ = ()
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return 0
+
+
+class ModuleCache:
+    """The value bound to a cache's name in a block: the session's reads of each
+    cached location, encoded as one ``$cache`` value when results ship."""
+
+    __slots__ = ("_namespace", "_expansion")
+
+    def __init__(self, namespace: dict[str, Any], expansion: Expansion):
+        self._namespace = namespace
+        self._expansion = expansion
+
+    def keep_values(self) -> None:
+        """Hold the reads' values itself (the session's namespace is being cleared)."""
+        self._namespace = {n: self._namespace[n] for part in self._expansion.parts for n in part.names
+                           if n in self._namespace}
+
+    def _parts(self) -> Iterable[tuple[Part, list[Any]]]:
+        for part in self._expansion.parts:
+            found = [self._namespace.get(name) for name in part.names]
+            if all(v is not None and not (isinstance(v, (RowLog, Dropped)) and len(v) == 0) for v in found):
+                yield part, found  # (a module never reached, or not per token, has no values)
+
+    def count(self) -> int:
+        return sum(_count(v) for _, found in self._parts() for v in found)
+
+    def nbytes(self) -> int:
+        return sum(_nbytes(v) for _, found in self._parts() for v in found)
+
+    def __nnsight_encode__(self, binary: bool) -> Any:
+        entries = [[part.path, part.io, "tuple" if part.is_tuple else "tensor",
+                    [tagged.encode(v, binary) for v in found]] for part, found in self._parts()]
+        return {"$cache": {"entries": entries, "dtype": self._expansion.dtype}}
+
+    def __repr__(self) -> str:
+        return f"ModuleCache({self._expansion.name!r}, {len(self._expansion.parts)} locations)"
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, RowLog):
+        return value.count()
+    return len(value) if isinstance(value, (tuple, list)) else 1
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, RowLog):
+        return value.nbytes()
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def default_paths(model: torch.nn.Module, shared: frozenset[int], outside_forward: frozenset[str],
+                  served: Callable[[str, str], bool], ios: Iterable[str]) -> list[str]:
+    """Every module a cache of all modules reads: named submodules in registration
+    (forward) order, less those under two paths (shared weights run once per path),
+    those vLLM calls outside the model's forward (``outside_forward``: top-level
+    names) and those the engine does not serve (untapped, on a compiled engine)."""
+    ios = tuple(ios)
+    return [name for name, module in model.named_modules() if name and name.split(".")[0] not in outside_forward
+            and id(module) not in shared and all(served(name, io) for io in ios)]
+
+
+# ------------------------------------------------------------ admission (the interleaver's side)
+
+
+def cache_op(name: str, modules: Any, dtype: Any, include_output: bool, include_inputs: bool) -> dict[str, Any]:
+    """``tracer.cache(...)``'s arguments as a spec's cache op (``modules``: envoys or
+    path strings; ``dtype``: a torch dtype or its name)."""
+    op: dict[str, Any] = {"op": "cache", "name": name, "outputs": bool(include_output),
+                          "inputs": bool(include_inputs)}
+    if modules is not None:
+        if isinstance(modules, str) or not isinstance(modules, (list, tuple, set, frozenset)):
+            modules = [modules]
+        paths = []
+        for m in modules:
+            path = m if isinstance(m, str) else getattr(m, "_path", None)
+            if not isinstance(path, str):
+                raise TypeError(f"tracer.cache(modules=...) takes modules or their paths, not {type(m).__name__}")
+            paths.append(path)
+        op["modules"] = paths
+    if dtype is not None:
+        op["dtype"] = dtype if isinstance(dtype, str) else tagged.dtype_name(dtype)
+    return op
+
+
+def resolve_path(model: torch.nn.Module, raw: str) -> str:
+    """A module path as this engine names it: nnsight's full paths start with the
+    root's name (``model.model.layers.0``), this engine's do not (``model.layers.0``)."""
+    if raw.startswith("model."):
+        try:
+            model.get_submodule(raw[len("model."):])
+            return raw[len("model."):]
+        except AttributeError:
+            pass
+    return raw
+
+
+def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
+    """Expands a cache op against the interleaver's model: every module it serves, or
+    the op's ``modules`` (each checked: known, on one path, served). Memoized per op
+    text, so requests caching alike share their reads."""
+    from . import compat, lower
+
+    memo: dict[str, Expansion] = inter.batched.cache_expansions
+
+    def served(path: str, io: str) -> bool:
+        try:
+            inter.check_module_access(path, io)
+            return True
+        except Exception:  # noqa: BLE001 - an untapped module: not cached
+            return False
+
+    def structure(path: str) -> int | None:
+        return lower.output_structure(type(inter.envoy_at(path)._module))
+
+    def expand_op(op: dict[str, Any]) -> Expansion:
+        key = repr(sorted(op.items()))
+        found = memo.get(key)
+        if found is not None:
+            return found
+        ios = [io for io, flag in (("output", op.get("outputs", True)), ("input", op.get("inputs", False))) if flag]
+        shared = inter.lowerings.shared()
+        if op.get("modules") is None:
+            paths = default_paths(inter.model, shared, compat.OUTSIDE_FORWARD, served, ios)
+        else:
+            paths = []
+            for raw in op["modules"]:
+                path = resolve_path(inter.model, raw)
+                if id(inter.envoy_at(path)._module) in shared:
+                    raise ValueError(f"{path} is reachable by two paths (shared weights): it runs once per path "
+                                     "in a step, so a cache cannot tell its visits apart")
+                for io in ios:
+                    inter.check_module_access(path, io)
+                paths.append(path)
+        if len(memo) > 64:
+            memo.clear()
+        found = memo[key] = expand(op, paths, structure)
+        return found
+
+    return expand_op
+
+
+def bind(session: Any, env: dict[str, Any]) -> None:
+    """A batched session's caches, bound to their names (after its reads are added)."""
+    for expansion in env.get("caches", ()):
+        session.namespace[expansion.name] = session.keep(ModuleCache(session.namespace, expansion))
+        session.caches += 1
+
+
+def attach(inter: Any, session: Any, expansion: Expansion, block: int) -> ModuleCache:
+    """A cache for a block that runs as code (``tracer.cache()``, or a spec run per
+    request): its reads join the batched ones, due from this step to the request's
+    end, and the block stays parked until then (:meth:`.session.RequestSession._main`)."""
+    inter.batched.add(session, {"ops": list(expansion.reads)}, block)
+    if inter.eager:
+        for read in expansion.reads:
+            inter.ensure_hook(inter.envoy_at(read["module"])._module, read["io"])
+    value = ModuleCache(session.namespace, expansion)
+    session.caches += 1
+    return session.keep(value)
