@@ -55,16 +55,20 @@ def test_a_list_of_tensors_travels_as_one_buffer():
         values.decode({"$tensors": {"dtype": "float32", "shapes": [[4]], "data": "AAAA"}})
 
 
-def test_binary_results_cross_msgpack_and_become_the_json_form():
-    """Inside vLLM tensor data is raw bytes (msgpack, no base64 in the engine core);
-    the OpenAI server's to_json gives exactly the JSON form."""
-    import msgspec
+def test_binary_results_cross_msgpack_as_frames_and_become_the_json_form():
+    """Inside vLLM tensor data is a uint8 tensor: vLLM's msgpack sends it as a frame of
+    its own (no copy into the message), the front end puts the frame back
+    (resolve_frames); the OpenAI server's to_json gives exactly the JSON form."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    obj = {"h": torch.randn(3, 4).to(torch.bfloat16), "steps": [torch.randn(1, 4), torch.randn(1, 4)],
+    obj = {"h": torch.randn(30, 40).to(torch.bfloat16), "steps": [torch.randn(1, 4), torch.randn(1, 4)],
            "pair": (torch.ones(2, dtype=torch.int64), 2.5)}
     binary = values.encode(obj, binary=True)
-    assert isinstance(binary["$dict"][0][1]["$tensor"]["data"], (bytes, bytearray))
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(binary))  # what vLLM's msgpack does to Any
+    assert isinstance(binary["$dict"][0][1]["$tensor"]["data"], torch.Tensor)
+    frames = MsgpackEncoder().encode(binary)
+    assert len(frames) == 2  # (the 2400-byte tensor as a frame; small ones inline)
+    wire = MsgpackDecoder().decode(frames)  # what vLLM's msgpack does to Any
+    values.resolve_frames(wire, frames)
     back = values.decode(wire)
     assert torch.equal(back["h"], obj["h"]) and all(torch.equal(a, b) for a, b in zip(back["steps"], obj["steps"]))
     assert torch.equal(back["pair"][0], obj["pair"][0]) and back["pair"][1] == 2.5
@@ -182,3 +186,15 @@ def test_a_cache_value_decodes_to_a_navigable_view():
         cache.model.model.layers[1]
     with pytest.raises(KeyError, match="was not cached"):
         cache["model.lm_head"]
+
+
+def test_invokes_of_one_body_and_values_encode_once_and_edits_are_seen():
+    v = torch.ones(4)
+    first = codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v, "n": 2}))
+    assert codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v, "n": 2})) is first
+    v.add_(1)  # (an in-place change between invokes: a new payload with the new values)
+    changed = codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v, "n": 2}))
+    assert changed != first
+    assert codec.load_code(codec.parse_envelope(changed), lambda ref: None).values["v"].tolist() == [2.0] * 4
+    assert codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": torch.ones(4), "n": 2})) != changed
+    assert codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v, "n": 3})) != changed

@@ -6,7 +6,7 @@ from __future__ import annotations
 def install() -> None:
     """Arrange every patch; each applies when vLLM imports the patched module."""
     from . import compat, frontend, isolation, results, rpc, runner_v1, runner_v2, whole_prompts
-    from .outputs import install_saves_property
+    from .outputs import install_frames, install_saves_property
 
     compat.when_class(compat.RUNNER_V1, runner_v1.install)
     compat.when_class(compat.RUNNER_CPU, runner_v1.install_load_model)
@@ -21,6 +21,7 @@ def install() -> None:
     compat.when_class(compat.WORKER_BASE, rpc.install)
     compat.when_class(compat.ENGINE_CORE, rpc.install_engine_core)
     compat.when_class(compat.REQUEST_OUTPUT, install_saves_property)
+    compat.when_class(compat.MSGPACK_DECODER, install_frames)
 
     from .. import serve
 

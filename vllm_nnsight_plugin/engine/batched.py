@@ -56,6 +56,11 @@ def replayable(env: dict[str, Any]) -> bool:
                for op in env["ops"])
 
 
+def edits(env: dict[str, Any]) -> bool:
+    """Whether the spec changes activations (else its requests' logits need no check)."""
+    return any(op["op"] in EDIT_OPS for op in env["ops"])
+
+
 def last_step(env: dict[str, Any]) -> int | None:
     """The spec's last step (None: it runs to the request's end)."""
     last = 0

@@ -37,6 +37,8 @@ INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
 ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
 REQUEST_OUTPUT = ("vllm.outputs", "RequestOutput")
+# msgpack between processes: decode(frames), frames[0] the message, the rest tensor data
+MSGPACK_DECODER = ("vllm.v1.serial_utils", "MsgpackDecoder")
 OUTPUT_PROCESSOR = ("vllm.v1.engine.output_processor", "OutputProcessor")  # front end: outputs in
 SERVING_COMPLETION = ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion")
 SERVING_CHAT = ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat")

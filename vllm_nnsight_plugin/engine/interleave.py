@@ -207,6 +207,7 @@ class Interleaver:
             session.prompt_only = batched.prompt_only(env)
             session.last_step = batched.last_step(env)
             session.replayable = batched.replayable(env)
+            session.edits = batched.edits(env)
             session.wait = Wait("step", 1 << 62)
             if self.eager:
                 for op in env["ops"]:
@@ -715,20 +716,28 @@ class Interleaver:
             session.fail(message)
 
     def guard_logits(self, logits: torch.Tensor) -> None:
-        """Traced requests' logits rows made finite before sampling; a request whose
-        rows were not fails (see :mod:`.isolation`). On a GPU the check is read when the
-        device has got there, or at once in a request's last step by ``max_tokens``. The traced rows'
-        index is kept while the batch's rows and requests stay the same (decode steps)."""
+        """Logits rows of traced requests that may edit made finite before sampling; a
+        request whose rows were not fails (see :mod:`.isolation`). Requests that only
+        read are not checked: they change no activation. On a GPU the check is read when
+        the device has got there, or at once in a request's last step by ``max_tokens``.
+        The checked rows' index is kept while the batch's rows and requests stay the
+        same (decode steps); None when they are all the rows, in order."""
         layout = self.layout
         self.vocab = int(logits.shape[-1])
         if not self.sessions and not self.finite.waiting:
             return
         memo = self._guard_memo
         if memo is None or memo[0] != self._epoch or not (memo[1] is layout.rows or memo[1] == layout.rows):
-            req_ids = [r for r in self.sessions if r in layout.rows]
-            index = torch.tensor([layout.rows[r] for r in req_ids], dtype=torch.long)
-            if logits.device.type == "cuda":
-                index = index.pin_memory().to(logits.device, non_blocking=True)
+            sessions = self.sessions
+            req_ids = sorted((r for r in sessions if r in layout.rows and any(s.edits for s in sessions[r])),
+                             key=layout.rows.__getitem__)
+            rows = [layout.rows[r] for r in req_ids]
+            if rows == list(range(logits.shape[0])):
+                index = None
+            else:
+                index = torch.tensor(rows, dtype=torch.long)
+                if logits.device.type == "cuda":
+                    index = index.pin_memory().to(logits.device, non_blocking=True)
             # steps until the first of them reaches its last step by max_tokens (every request
             # of an unchanged batch advances one step per call)
             room = min((limit - (self.sessions[r][0].step + 1) for r in req_ids

@@ -120,17 +120,20 @@ class FiniteLogits:
     def __init__(self) -> None:
         self._pending: list[tuple[list[str], torch.Tensor, Any]] = []  # oldest first
 
-    def check(self, logits: torch.Tensor, index: torch.Tensor, req_ids: list[str]) -> list[str]:
-        """Make the logits rows at ``index`` (those of ``req_ids``) finite; return the
-        requests whose rows were not, in the steps checked so far whose copies have
-        landed (on the CPU: this one too)."""
+    def check(self, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str]) -> list[str]:
+        """Make the logits rows at ``index`` (those of ``req_ids``; None: every row, in
+        order) finite; return the requests whose rows were not, in the steps checked so
+        far whose copies have landed (on the CPU: this one too)."""
         found = self.collect(wait=False)
         if not req_ids:
             return found
-        part = logits.index_select(0, index)
+        part = logits if index is None else logits.index_select(0, index)
         # (-inf is a mask some models' logits carry: kept, and not an error)
         finite = ~(torch.isnan(part) | torch.isposinf(part)).any(dim=-1)
-        logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
+        if index is None:
+            torch.nan_to_num(logits, neginf=float("-inf"), out=logits)
+        else:
+            logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
         if finite.device.type != "cuda":
             return found + [r for r, ok in zip(req_ids, finite.tolist()) if not ok]
         host = torch.empty(finite.shape, dtype=finite.dtype, pin_memory=True)

@@ -1,11 +1,13 @@
 """``RequestOutput.saves`` and ``.ran_as``: what an intervention saved and how it
-ran, on vLLM's own output."""
+ran, on vLLM's own output; and the tensor frames results arrive in."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..payload import codec
+from ..payload.values import resolve_frames
 
 
 def results_of(output: Any) -> codec.Results | None:
@@ -37,3 +39,27 @@ def install_saves_property(request_output_cls: type) -> None:
     if "ran_as" not in request_output_cls.__dict__:
         request_output_cls.ran_as = property(_ran_as, doc="How the request's interventions ran: 'batched', "
                                                           "or 'code: <file>:<line> (<why>)'; ';'-joined.")
+
+
+def install_frames(decoder_cls: type) -> None:
+    """Results carry tensor data as tensors, which vLLM's msgpack sends as frames of
+    their own (no copy into the message, none out of it). Its decoder only turns them
+    back into tensors where a field is typed as one; ``kv_transfer_params`` is not, so
+    the frames are put into the results here, while the decoder still has them."""
+    from . import compat
+
+    def make(original: Callable) -> Callable:
+        def decode(self: Any, bufs: Any) -> Any:
+            out = original(self, bufs)
+            outputs = getattr(out, "outputs", None)
+            if outputs and isinstance(outputs, list):
+                frames = bufs if isinstance(bufs, (list, tuple)) else (bufs,)
+                for eco in outputs:
+                    params = getattr(eco, "kv_transfer_params", None)
+                    if params and codec.PAYLOAD_KEY in params:
+                        resolve_frames(params[codec.PAYLOAD_KEY], frames)
+            return out
+
+        return decode
+
+    compat.patch_method(decoder_cls, "decode", make)

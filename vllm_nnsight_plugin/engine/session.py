@@ -172,6 +172,7 @@ class RequestSession:
     prompt_only: bool = False  # ...and nothing else: the session is over after that step
     last_step: int | None = None  # ...whose ops end at this step: over after it
     replayable: bool = False  # ...of edits only, at every step, of whole rows (see batched.replayable)
+    edits: bool = True  # it may change activations (a batched spec of reads only does not)
     lowered: Any = None  # a code block run as its batched spec (lower.Lowered): maps errors to lines
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
     _on_device: bool = True  # the last off_host walk found a device tensor (to_host maps it)

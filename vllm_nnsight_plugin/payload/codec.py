@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
+import torch
 
 from . import values as tagged
 
@@ -90,8 +91,46 @@ def _nnsight_ref(obj: Any) -> tuple | None:
     return ref(obj) if ref is not None else None
 
 
+_ENCODED: dict[tuple, tuple[str, list[Any]]] = {}  # recent payloads: key -> (text, the values it holds)
+_MEMO_SIZE = 16
+
+
+def _value_key(value: Any, held: list[Any]) -> Any:
+    """What a value encodes to, as a hashable key; None when unknown (no memo). A
+    tensor counts by identity and in-place version: ``held`` keeps it alive so its id
+    cannot be reused while a payload made from it is remembered."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return (type(value).__name__, value)
+    if isinstance(value, torch.Tensor):
+        held.append(value)
+        return ("t", id(value), value._version, value.data_ptr(), tuple(value.shape), value.dtype, value.device)
+    ref = _nnsight_ref(value)
+    if ref is not None:
+        return ("r", ref)
+    if type(value) in (list, tuple, SharedList):
+        keys = tuple(_value_key(v, held) for v in value)
+        return None if any(k is None for k in keys) else (type(value).__name__, keys)
+    return None
+
+
 def encode_code(payload: CodePayload) -> str:
-    """Serialize a block and the values it reads into the JSON payload string."""
+    """Serialize a block and the values it reads into the JSON payload string. A trace's
+    invokes of one body and the same values (nnsight's loop of ``tracer.invoke``s)
+    encode once."""
+    held: list[Any] = []
+    keys = tuple((name, _value_key(v, held)) for name, v in payload.values.items())
+    key = None if any(k is None for _, k in keys) else (payload.source, payload.filename, payload.lineno, keys)
+    if key is not None and key in _ENCODED:
+        return _ENCODED[key][0]
+    text = _encode_code(payload)
+    if key is not None:
+        if len(_ENCODED) >= _MEMO_SIZE:
+            _ENCODED.pop(next(iter(_ENCODED)))
+        _ENCODED[key] = (text, held)
+    return text
+
+
+def _encode_code(payload: CodePayload) -> str:
     buf = io.BytesIO()
     try:
         _RefPickler(buf, _nnsight_ref).dump(payload.values)

@@ -60,8 +60,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _data(raw: bytes | memoryview, binary: bool) -> bytes | str:
-    """Raw bytes (binary: they cross vLLM's pickle and msgpack boundaries as they are,
-    so one owned copy) or base64 text."""
+    """Raw bytes or base64 text."""
     return bytes(raw) if binary else base64.b64encode(raw).decode()
 
 
@@ -75,61 +74,91 @@ def _bytes(t: torch.Tensor) -> bytes | memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor | bytes:
+    """Binary data: the tensor's bytes as a flat uint8 CPU tensor (a view where it is
+    contiguous). vLLM's msgpack sends a tensor as a frame of its own, without copying
+    it into the message (bytes would be copied in, and again out in the front end);
+    the front end hands the frame back (:func:`resolve_frames`)."""
+    t = t.detach().to("cpu").contiguous()
+    if sys.byteorder != "little" and t.element_size() > 1:  # pragma: no cover
+        return t.numpy().byteswap().tobytes()
+    return t.reshape(-1).view(torch.uint8)
+
+
 def encode_tensor(t: torch.Tensor, binary: bool = False) -> dict[str, Any]:
-    """A tensor as ``{"dtype", "shape", "data"}`` (little-endian bytes; base64 unless binary)."""
-    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": _data(_bytes(t), binary)}
+    """A tensor as ``{"dtype", "shape", "data"}`` (little-endian bytes: base64 text, or
+    with ``binary`` a uint8 tensor of them)."""
+    data = _raw(t) if binary else _data(_bytes(t), binary)
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": data}
+
+
+def _owned(data: Any) -> torch.Tensor:
+    """Tensor data as a flat, owned, writable uint8 tensor (one copy: the frame or text
+    it came in is not kept)."""
+    if isinstance(data, torch.Tensor):
+        return data.detach().reshape(-1).view(torch.uint8).clone()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        if not isinstance(data, str):
+            raise TypeError(f"tensor data is a {type(data).__name__}")
+        data = base64.b64decode(data, validate=True)
+    data = bytearray(data)
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
-    """Inverse of :func:`encode_tensor` (data as base64 or raw bytes); validates dtype,
-    shape and byte count."""
+    """Inverse of :func:`encode_tensor` (data as base64, raw bytes or a uint8 tensor);
+    validates dtype, shape and byte count."""
     try:
         dtype = _DTYPES[obj["dtype"]]
         shape = [int(s) for s in obj["shape"]]
-        data = obj["data"]
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            data = base64.b64decode(data, validate=True)
-        data = bytearray(data)  # one owned, writable copy: the tensor keeps it
+        data = _owned(obj["data"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed tensor: {exc}") from None
     numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(data) != numel * itemsize:
-        raise ValueError(f"tensor data has {len(data)} bytes, shape {shape} needs {numel * itemsize}")
+    if data.numel() != numel * itemsize:
+        raise ValueError(f"tensor data has {data.numel()} bytes, shape {shape} needs {numel * itemsize}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+    return data.view(dtype).reshape(shape)
 
 
-def _c_bytearray() -> Any:
-    import ctypes
+def resolve_frames(obj: Any, frames: Any) -> None:
+    """Front end, right after vLLM's msgpack decoded a message: tensor data sent as a
+    frame of its own arrives as vLLM's ``[dtype, shape, frame index]`` (the inline
+    form: ``[dtype, shape, bytes]``); put the frame's bytes there."""
+    if isinstance(obj, dict):
+        data = obj.get("data")
+        if isinstance(data, list) and len(data) == 3 and isinstance(data[0], str):
+            ref = data[2]
+            obj["data"] = memoryview(frames[ref]) if isinstance(ref, int) else ref
+            return
+        for v in obj.values():
+            if isinstance(v, (dict, list)):
+                resolve_frames(v, frames)
+    elif isinstance(obj, list):
+        for v in obj:
+            if isinstance(v, (dict, list)):
+                resolve_frames(v, frames)
 
-    make = ctypes.pythonapi.PyByteArray_FromStringAndSize
-    make.restype, make.argtypes = ctypes.py_object, [ctypes.c_char_p, ctypes.c_ssize_t]
-    return make
 
-
-_NEW_BYTEARRAY = _c_bytearray()
-
-
-def buffer(size: int) -> bytearray:
-    """A ``bytearray`` of ``size`` bytes left as the allocator gives them, for a caller
-    that overwrites every byte: ``bytearray(size)`` zero-fills first, a second pass over
-    fresh pages (result buffers of every-token reads: 267 MB per batch of 256)."""
-    return _NEW_BYTEARRAY(None, size)
+def buffer(size: int) -> torch.Tensor:
+    """Binary data of ``size`` bytes, left as the allocator gives them, for a caller that
+    overwrites every byte (result buffers of every-token reads: 267 MB per batch of 256)."""
+    return torch.empty(size, dtype=torch.uint8)
 
 
 def encode_tensors(ts: list[torch.Tensor], binary: bool = False) -> dict[str, Any]:
     """Same-dtype tensors as one buffer: per-step rows cost one encode, not one each.
-    Binary host tensors are concatenated straight into the returned ``bytearray``
-    (one copy of the bytes, not a concatenation and then a copy)."""
+    Binary host tensors are concatenated straight into the returned data (one copy of
+    the bytes, not a concatenation and then a copy)."""
     name = dtype_name(ts[0].dtype)
     shapes = [list(t.shape) for t in ts]
     parts = [t.detach().reshape(-1) for t in ts]
     total = sum(p.numel() for p in parts)
     if binary and total and sys.byteorder == "little" and all(p.device.type == "cpu" for p in parts):
         data = buffer(total * ts[0].element_size())  # (every byte written by the cat)
-        torch.cat(parts, out=torch.frombuffer(data, dtype=ts[0].dtype))
+        torch.cat(parts, out=data.view(ts[0].dtype))
         return {"dtype": name, "shapes": shapes, "data": data}
     return {"dtype": name, "shapes": shapes, "data": _data(_bytes(torch.cat(parts)), binary)}
 
@@ -188,6 +217,8 @@ def to_json(obj: Any) -> Any:
     """A binary-encoded value (raw bytes in tensor data) in its JSON-safe form (base64)."""
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return base64.b64encode(obj).decode()
+    if isinstance(obj, torch.Tensor):
+        return base64.b64encode(memoryview(obj.reshape(-1).view(torch.uint8).numpy())).decode()
     if isinstance(obj, dict):
         return {k: to_json(v) for k, v in obj.items()}
     if isinstance(obj, list):
