@@ -21,7 +21,7 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
 ]
 
-KINDS = ("llama", "gpt2")
+KINDS = ("llama", "gpt2", "llama_gqa", "mixtral", "qwen2_moe")  # llama_gqa: 4 query heads, 2 KV heads
 VERSION = 2  # bump when the checkpoint recipe changes (cached builds are keyed by it)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -72,6 +72,32 @@ def build(kind: str, path: str | os.PathLike, layers: int = 4, hidden: int = 128
             bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False, torch_dtype="float32",
         )
         model = transformers.LlamaForCausalLM(config)
+    elif kind == "llama_gqa":  # grouped-query attention, heads divisible by a tensor-parallel size of 2
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden * 2, intermediate_size=hidden * 4,
+            num_hidden_layers=layers, num_attention_heads=heads * 2, num_key_value_heads=heads,
+            head_dim=64, max_position_embeddings=1024, rms_norm_eps=1e-5,
+            bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False, torch_dtype="float32",
+        )
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+            head_dim=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
+            rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False,
+            torch_dtype="float32",
+        )
+        model = transformers.MixtralForCausalLM(config)
+    elif kind == "qwen2_moe":  # routed experts plus a shared expert
+        config = transformers.Qwen2MoeConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, moe_intermediate_size=hidden,
+            shared_expert_intermediate_size=hidden * 2, num_experts=4, num_experts_per_tok=2,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+            max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=eos, eos_token_id=eos,
+            tie_word_embeddings=False, torch_dtype="float32",
+        )
+        model = transformers.Qwen2MoeForCausalLM(config)
     elif kind == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=1024,

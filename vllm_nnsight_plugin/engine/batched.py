@@ -267,7 +267,7 @@ class BatchedEdits:
             positions = entry.op.get("positions")
             for session in sessions:
                 span = spans_of.get(session.req_id)
-                if span is not None and session.active and _due(entry.op, session.step):
+                if span is not None and session.active and is_due(entry.op, session.step):
                     if positions is not None:
                         chunk = chunks.get(session.req_id) if chunks and session.step == 0 else None
                         try:
@@ -404,9 +404,10 @@ class BatchedEdits:
     def _lane_plan(self, key: tuple) -> tuple | None:
         """The lanes' plan for a location's active entries, or None when they cannot
         serve them: no lanes there, two edits of one request's tensor, a read
-        ordered before an edit of its tensor, more than lanes.SLOTS distinct edits."""
+        ordered before an edit of its tensor, more than lanes.SLOTS distinct edits, a
+        value split across tensor-parallel ranks (the tap op's Python puts it together)."""
         found = self.inter.lane_site(key)
-        if found is None:
+        if found is None or self.inter.splits.of(key) is not None:
             return None
         parts, code = found
         if any(lane is None for lane in parts):
@@ -588,7 +589,7 @@ def _where(entry: Entry) -> str:
     return f"ops[{entry.number}] ({entry.op['op']} {entry.op.get('module', 'logits')})"
 
 
-def _due(op: dict[str, Any], step: int) -> bool:
+def is_due(op: dict[str, Any], step: int) -> bool:
     steps = op.get("steps", "prefill")
     if steps == "all":
         return True

@@ -48,6 +48,31 @@ APP_ROUTE_HOOKS = (
     ("vllm.entrypoints.openai.api_server", "_attach_endpoint_plugins"),  # vllm 0.26
 )
 
+# Every vLLM method this package wraps, per class (patch_method refuses others), with
+# the leading parameters the wrappers rely on; tests/test_vllm_boundary.py checks each
+# against the installed vLLM, so an upgrade that renames one fails in one named place.
+PATCHED: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
+    RUNNER_V1: {"load_model": ("self",), V1_GRAPH_DISPATCH: ("self",), "execute_model": ("self", "scheduler_output"),
+                "_model_forward": ("self",), "_sample": ("self",), "sample_tokens": ("self",)},
+    RUNNER_CPU: {"load_model": ("self",)},
+    RUNNER_V2: {"load_model": ("self",), "execute_model": ("self", "scheduler_output"),
+                "prepare_inputs": ("self", "scheduler_output"), "sample": ("self",), "sample_tokens": ("self",)},
+    SCHEDULER: {"update_from_output": ("self", "scheduler_output", "model_runner_output"), "schedule": ("self",),
+                SCHEDULER_REQUEST_UPDATE: ("self", "request", "new_token_ids")},
+    **{queue: {"peek_request": ("self",)} for queue in WAITING_QUEUES},
+    KV_CACHE_MANAGER: {name: ("self", "request") for name in KV_MANAGER_FREES},
+    BLOCK_POOL: {BLOCK_POOL_ALLOCATE: ("self", "num_blocks")},
+    INPUT_PROCESSOR: {"process_inputs": ("self", "request_id", "prompt", "params")},
+    MSGPACK_DECODER: {"decode": ("self", "bufs")},
+    OUTPUT_PROCESSOR: {"process_outputs": ("self", "engine_core_outputs")},
+    SERVING_COMPLETION: {"create_completion": ("self", "request"), "completion_stream_generator": ("self", "request")},
+    SERVING_CHAT: {"create_chat_completion": ("self", "request"),
+                   "chat_completion_stream_generator": ("self", "request")},
+}
+# wrapped module functions: (positional parameters after the first, keywords passed)
+PATCHED_FUNCTIONS = {(RUNNER_V2[0], V2_GRAPH_DISPATCH): (("num_reqs", "num_tokens", "uniform_token_count"),
+                                                        ("need_eager",))}
+
 _MARK = "__nnsight_wrapped__"
 
 
@@ -65,7 +90,10 @@ def _wrap(owner: Any, name: str, current: Callable, make: Callable[[Callable], C
 
 
 def patch_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
-    """Wrap ``cls.name`` once (re-entrant: a second call is a no-op)."""
+    """Wrap ``cls.name`` once (re-entrant: a second call is a no-op). Only what
+    :data:`PATCHED` lists (so the boundary test checks every wrapped method)."""
+    if name not in PATCHED.get((cls.__module__, cls.__name__), ()):
+        raise LookupError(f"{cls.__module__}.{cls.__name__}.{name} is not listed in compat.PATCHED")
     _wrap(cls, name, cls.__dict__.get(name) or getattr(cls, name), make)
 
 
@@ -595,3 +623,69 @@ def additional_config(vllm_config: Any) -> dict:
     extra = getattr(vllm_config, "additional_config", None) or {}
     section = extra.get("nnsight") if isinstance(extra, dict) else None
     return section if isinstance(section, dict) else {}
+
+
+# ------------------------------------------------------------ tensor parallel
+
+
+def pipeline_stages(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+
+
+def tp_world() -> tuple[int, int]:
+    """(tensor-parallel size, this worker's rank); (1, 0) outside a TP group."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - no distributed state (a unit test's model)
+        return 1, 0
+
+
+def tp_all_gather(x: Any) -> Any:
+    """Every rank's ``x`` side by side along the last dimension (a collective)."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(x.contiguous(), -1)
+
+
+def tp_all_reduce(x: Any) -> Any:
+    """The sum of every rank's ``x`` (a collective)."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(x.clone())
+
+
+def shard_of(module: Any, io: str) -> tuple[str, tuple[int, ...] | str] | None:
+    """How a module's value is split across tensor-parallel ranks: ``("sharded",
+    segments)`` along the last dimension, each rank holding its slice of every segment
+    (``segments``: the local sizes, or ``"whole"``/``"halves"`` of the local value),
+    ``("partial", "sum")`` for a per-rank partial sum, None when every rank holds the
+    whole value. Raises for a layout it cannot put together (replicated KV heads)."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(module, ColumnParallelLinear):
+        if io != "output" or module.tp_size <= 1 or module.gather_output:
+            return None
+        if getattr(module, "num_kv_head_replicas", 1) > 1:
+            raise NotImplementedError(
+                f"{type(module).__name__} under tensor parallel with fewer KV heads than ranks (replicated "
+                "KV heads) cannot be put back together: use a tensor_parallel_size that divides the KV heads")
+        return "sharded", tuple(int(s) for s in module.output_partition_sizes)
+    if isinstance(module, RowParallelLinear):
+        if module.tp_size <= 1:
+            return None
+        if io == "input":
+            return ("sharded", "whole") if module.input_is_parallel else None
+        return None if module.reduce_results else ("partial", "sum")
+    if tp_world()[0] <= 1:
+        return None
+    name = type(module).__name__
+    if name == "Attention" and type(module).__module__.startswith("vllm."):
+        return "sharded", "whole"  # (its heads are this rank's: query in, heads' values out)
+    if name.endswith("AndMul") or name == "MulAndSilu":  # (gate and up in, their product out)
+        return ("sharded", "halves") if io == "input" else ("sharded", "whole")
+    if hasattr(module, "reduce_results") and io == "output" and not module.reduce_results \
+            and hasattr(module, "tp_size") and module.tp_size > 1:
+        return "partial", "sum"  # (a fused MoE whose caller all-reduces)
+    return None

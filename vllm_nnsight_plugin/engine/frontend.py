@@ -29,7 +29,7 @@ MODULE_ATTRS = ("output", "input", "inputs")
 def touches_modules(env: dict[str, Any]) -> bool:
     """Whether a payload reads or edits module values (needs an eager engine)."""
     if env["kind"] == "spec":
-        return any("module" in op for op in env["ops"])
+        return any("module" in op or op["op"] == "cache" for op in env["ops"])
     tree = ast.parse(env["source"])
     return any(isinstance(n, ast.Attribute) and n.attr in MODULE_ATTRS for n in ast.walk(tree))
 
@@ -74,6 +74,11 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
     integer_inputs = INTEGER_INPUTS.get(compat.model_key(vllm_config)) if vllm_config is not None else None
     if integer_inputs is not None:
         guards.refuse_integer_writes(env, integer_inputs)
+    if vllm_config is not None and compat.pipeline_stages(vllm_config) > 1 and touches_modules(env):
+        raise codec.PayloadError(
+            "this engine runs pipeline parallel: each stage's modules live in another process and only the "
+            "last stage's results come back, so module reads and edits are not served; model.logits and "
+            "model.samples are (use tensor_parallel_size to split a model across devices)")
     if vllm_config is None or compat.runs_eager(vllm_config):
         return env
     tapped = taps.from_settings(compat.additional_config(vllm_config))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..payload import codec
-from . import batched, budget, cache, compat, guards, host, isolation, lanes, lower, taps
+from . import batched, budget, cache, compat, guards, host, isolation, lanes, lower, shards, taps
 from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
@@ -50,6 +50,7 @@ class Interleaver:
         self.tracer = WorkerTracer(self)
         # code blocks are recorded into plans
         self.lowerings = lower.Lowerings(model, compat.model_dtype(vllm_config), self.watchdog.limit_s)
+        self.splits = shards.Splits(model)  # tensor parallel: which locations are split across ranks
         self.batched = batched.BatchedEdits(self)
         self.finite = isolation.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
@@ -786,7 +787,40 @@ class Interleaver:
 
     def serve(self, key: tuple, value: Any, row_based: bool = False) -> None:
         """Give every session parked on ``key`` for this step its rows of ``value``;
-        then the late reads (caches) see what the blocks made of it."""
+        then the late reads (caches) see what the blocks made of it. Under tensor
+        parallel a split value is served whole (:mod:`.shards`)."""
+        split = self.splits.of(key) if self.splits.ranks > 1 and self.layout is not None else None
+        if split is not None and self._touched(key):
+            if split[0] == "refused":
+                self._refuse_location(key, split[1])
+                return
+            whole, write_back = shards.gather(value, split, self.splits.ranks, self.splits.rank)
+            self._serve(key, whole, row_based)
+            write_back()
+            return
+        self._serve(key, value, row_based)
+
+    def _touched(self, key: tuple) -> bool:
+        """Whether a block or a batched op of a request in this step touches ``key`` now
+        (the same answer on every rank: they hold the same requests and blocks)."""
+        spans = self.layout.spans
+        for entry in self.batched.at.get(key, ()):
+            session = entry.session
+            if session.active and session.req_id in spans and batched.is_due(entry.op, session.step):
+                return True
+        return any(s.wait is not None and s.wait.key == key and s.wait.step == s.step and s.req_id in spans
+                   for s in self.waiters.get(key, ()))
+
+    def _refuse_location(self, key: tuple, why: str) -> None:
+        """A location whose split value cannot be served ends the requests touching it
+        (on every rank alike: they hold the same blocks)."""
+        for entry in self.batched.at.get(key, ()):
+            if entry.session.active:
+                entry.session.fail(why)
+        for session in self.waiters.pop(key, ()):
+            self._end_block(session, why)
+
+    def _serve(self, key: tuple, value: Any, row_based: bool = False) -> None:
         layout = self.layout
         if layout is not None and key in self.batched.at:
             self.batched.apply(key, value)

