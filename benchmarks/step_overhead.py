@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/step_overhead.py [--requests 256] [--steps 64]
 
-The GPU profile of the headline benchmark (benchmarks/gpu/README.md, session 4)
+The GPU profile of the headline benchmark (benchmarks/gpu/README.md)
 found the step bound by the plugin's Python over 256 requests, not by the device.
 This drives the worker's ``Interleaver`` exactly as the runner adapters do each
 step (``begin_step``, the forward with the tap op at layer 8's output, logits,
