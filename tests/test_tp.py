@@ -118,7 +118,9 @@ def test_reads_of_split_and_whole_values_equal_hf_as_code(tp_llama, hf_gqa):
         gate_up = mlp.gate_up_proj.output[0].save()
         act_in = mlp.act_fn.input.save()
         act = mlp.act_fn.output.save()
+        down_args = mlp.down_proj.inputs.save()  # (all arguments: served before .input)
         down_in = mlp.down_proj.input.save()
+        tracer.log("once")
         out = tp_llama.model.layers[1].output
         stream = (out[0] + out[1]).save()
     assert tracer.outputs[0].ran_as.startswith("code:")
@@ -132,7 +134,9 @@ def test_reads_of_split_and_whole_values_equal_hf_as_code(tp_llama, hf_gqa):
     assert_close(act_in, gate_up)
     assert_close(act, ref.inp["down_proj"])
     assert_close(down_in, ref.inp["down_proj"])
+    assert_close(down_args[0][0], ref.inp["down_proj"])
     assert_close(stream, ref.hidden[2])
+    assert tracer.outputs[0].nnsight_warnings == ["once"]  # (every rank ran the block; one reports)
 
 
 def test_reads_of_split_values_in_a_plan_equal_hf(tp_llama, hf_gqa):
@@ -202,6 +206,22 @@ def test_untraced_requests_beside_traced_ones_are_bit_identical(tp_llama):
     assert all(o.ran_as.startswith("code:") and o.outputs[0].stop_reason != "nnsight_error" for o in mixed[2:])
     clean = llm.generate(prompts[2:], params, use_tqdm=False)
     assert any(a.outputs[0].logprobs != b.outputs[0].logprobs for a, b in zip(clean, mixed[2:]))
+
+
+def test_an_error_and_a_stop_under_tensor_parallel_end_only_their_request(tp_llama):
+    """Every rank runs the block and fails or stops alike; the caller hears once."""
+    with pytest.raises(ZeroDivisionError):
+        with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=3, **CODE):
+            h = tp_llama.model.layers[0].self_attn.qkv_proj.output[0]
+            print(1 / 0, h)
+    with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=5, ignore_eos=True, **CODE) as tracer:
+        for step in tracer.iter[:]:
+            if step == 1:
+                tracer.stop()
+    assert len(tracer.outputs[0].outputs[0].token_ids) == 2
+    with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
+        qkv = tp_llama.model.layers[0].self_attn.qkv_proj.output.save()
+    assert qkv[0].shape[-1] == 512  # (the ranks still agree)
 
 
 def test_a_cache_under_tensor_parallel_holds_whole_values(tp_llama, hf_gqa):

@@ -794,7 +794,8 @@ class Interleaver:
             if split[0] == "refused":
                 self._refuse_location(key, split[1])
                 return
-            whole, write_back = shards.gather(value, split, self.splits.ranks, self.splits.rank)
+            whole, write_back = shards.gather(value, split, self.splits.ranks, self.splits.rank,
+                                              inputs=key[-1] == "inputs")
             self._serve(key, whole, row_based)
             write_back()
             return

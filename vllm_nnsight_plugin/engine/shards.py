@@ -52,10 +52,17 @@ def _write_sharded(x: torch.Tensor, whole: torch.Tensor, sizes: tuple[int, ...],
         full += ranks * size
 
 
-def gather(value: Any, split: Split, ranks: int, rank: int) -> tuple[Any, Callable[[], None]]:
+def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False) -> tuple[Any, Callable[[], None]]:
     """The whole value (a tensor, or a tuple whose first element is the split one, as
-    a linear's ``(output, bias)``) and a function that writes this rank's part of it
-    back into ``value`` if a block or op changed it."""
+    a linear's ``(output, bias)``; ``inputs``: a module's ``(args, kwargs)``, whose
+    first argument is) and a function that writes this rank's part of it back into
+    ``value`` if a block or op changed it."""
+    if inputs:
+        args, kwargs = value
+        if not args or not isinstance(args[0], torch.Tensor):
+            return value, lambda: None
+        first, write_back = gather(args[0], split, ranks, rank)
+        return ((first, *args[1:]), kwargs), write_back
     element = 0 if isinstance(value, tuple) else None
     x = value[0] if element is not None else value
     if not isinstance(x, torch.Tensor):
