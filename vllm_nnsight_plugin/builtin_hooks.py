@@ -26,10 +26,13 @@ def nnsight_payload_policy(kind: str, origin: str, settings: dict) -> str | None
 
 @dataclass(frozen=True)
 class ArchAdapter:
-    """Where an architecture keeps its decoder layers and what a layer returns."""
+    """Where an architecture keeps its decoder layers, what a layer returns, and the
+    final norm and unembedding that turn a residual stream into logits (a logit lens)."""
 
     layers_path: str
     layer_returns_residual: bool
+    final_norm: str
+    unembed: str
 
     def residual_stream(self, layer_output: Any) -> Any:
         """The HF-equivalent hidden state from a decoder layer's vLLM output."""
@@ -39,13 +42,13 @@ class ArchAdapter:
         return layer_output
 
 
-_LLAMA_LIKE = ArchAdapter("model.layers", True)
+_LLAMA_LIKE = ArchAdapter("model.layers", True, "model.norm", "lm_head")
 _ADAPTERS = {
     "LlamaForCausalLM": _LLAMA_LIKE,
     "MistralForCausalLM": _LLAMA_LIKE,
     "Qwen2ForCausalLM": _LLAMA_LIKE,
     "Qwen3ForCausalLM": _LLAMA_LIKE,
-    "GPT2LMHeadModel": ArchAdapter("transformer.h", False),
+    "GPT2LMHeadModel": ArchAdapter("transformer.h", False, "transformer.ln_f", "lm_head"),
 }
 
 

@@ -34,8 +34,10 @@ def nnsight_payload_policy(kind: str, origin: str, settings: dict) -> str | None
 def nnsight_arch_adapter(architecture: str) -> Any:
     """Return an adapter for a vLLM model architecture (e.g. ``"LlamaForCausalLM"``).
 
-    An adapter knows an architecture's module quirks: where its decoder layers
-    are, and how a layer's vLLM output maps to the Hugging Face residual stream
-    (a Llama layer returns ``(hidden, residual)``; HF's hidden state is their
-    sum). Return None for architectures you do not know.
+    An adapter (``builtin_hooks.ArchAdapter``) knows an architecture's module quirks:
+    where its decoder layers are, how a layer's vLLM output maps to the Hugging Face
+    residual stream (a Llama layer returns ``(hidden, residual)``; HF's hidden state
+    is their sum), and its final norm and unembedding. The demo and the examples ask
+    for one (``hooks.arch_adapter``); a third party's answer comes before the builtin
+    table. Return None for architectures you do not know.
     """
