@@ -98,3 +98,42 @@ def test_steering(llama_path, hf_llama, tmp_path, how):
             clean = torch.log_softmax(hf_llama(torch.tensor([ids(prompt)])).logits[0, -1], -1)
         assert abs(steered_lp - float(steered.max())) < 1e-4 and abs(clean_lp - float(clean.max())) < 1e-4
     assert any(a != b for (a, _), (b, _) in zip(got["without"], got["with"]))  # (the steering changed text)
+
+
+def test_activation_patching(llama_path, hf_llama, tmp_path, how):
+    run("activation_patching.py", "--model", llama_path, *how, "--out", str(tmp_path))
+    got = json.loads((tmp_path / "activation_patching.json").read_text())
+    assert (tmp_path / "activation_patching.png").stat().st_size > 10_000
+    layers = hf_llama.model.layers
+    clean_rows: dict[int, torch.Tensor] = {}
+
+    def first(o):
+        return o[0] if isinstance(o, tuple) else o
+
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: clean_rows.__setitem__(i, first(o)[0].clone()))
+               for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        clean = hf_llama(torch.tensor([got["clean_ids"]])).logits[0, -1]
+    for h in handles:
+        h.remove()
+    with torch.no_grad():
+        corrupt = hf_llama(torch.tensor([got["corrupt_ids"]])).logits[0, -1]
+    good, bad = got["good"], got["bad"]
+    assert good == int(clean.argmax())
+    diff = {"clean": float(clean[good] - clean[bad]), "corrupt": float(corrupt[good] - corrupt[bad])}
+    assert abs(got["clean_diff"] - diff["clean"]) < 1e-4 and abs(got["corrupt_diff"] - diff["corrupt"]) < 1e-4
+    scores = torch.empty(len(layers), len(got["clean_ids"]))
+    for i, layer in enumerate(layers):
+        for pos in range(len(got["clean_ids"])):
+            def patch(m, a, o, i=i, pos=pos):
+                x = first(o).clone()
+                x[0, pos] = clean_rows[i][pos]
+                return (x, *o[1:]) if isinstance(o, tuple) else x
+            handle = layer.register_forward_hook(patch)
+            try:
+                with torch.no_grad():
+                    lg = hf_llama(torch.tensor([got["corrupt_ids"]])).logits[0, -1]
+            finally:
+                handle.remove()
+            scores[i, pos] = (float(lg[good] - lg[bad]) - diff["corrupt"]) / (diff["clean"] - diff["corrupt"])
+    assert_close(torch.tensor(got["scores"]), scores)
