@@ -137,3 +137,18 @@ def test_activation_patching(llama_path, hf_llama, tmp_path, how):
                 handle.remove()
             scores[i, pos] = (float(lg[good] - lg[bad]) - diff["corrupt"]) / (diff["clean"] - diff["corrupt"])
     assert_close(torch.tensor(got["scores"]), scores)
+
+
+def test_probe(llama_path, hf_llama, tmp_path, how):
+    from transformers import AutoTokenizer
+
+    stdout = run("probe.py", "--model", llama_path, *how, "--out", str(tmp_path), "--layer", "2")
+    assert "held-out accuracy" in stdout
+    got = json.loads((tmp_path / "probe.json").read_text())
+    assert 0.0 <= got["accuracy"] <= 1.0 and sorted(set(got["labels"])) == [0, 1]
+    tok = AutoTokenizer.from_pretrained(llama_path)
+    for prompt, state in list(zip(got["prompts"], got["states"]))[:6]:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            ref = hf_llama(torch.tensor([ids]), output_hidden_states=True).hidden_states[3][0, -1]
+        assert_close(torch.tensor(state), ref)
