@@ -152,3 +152,22 @@ def test_probe(llama_path, hf_llama, tmp_path, how):
         with torch.no_grad():
             ref = hf_llama(torch.tensor([ids]), output_hidden_states=True).hidden_states[3][0, -1]
         assert_close(torch.tensor(state), ref)
+
+
+def test_batch_capture(llama_path, hf_llama, tmp_path, how):
+    import numpy as np
+
+    stdout = run("batch_capture.py", "--model", llama_path, *how, "--out", str(tmp_path), "--n", "300",
+                 "--batch", "128", "--layer", "1")
+    assert "prompts/s" in stdout and "tokens/s" in stdout
+    index = json.loads((tmp_path / "captures.json").read_text())
+    store = np.load(tmp_path / "captures.npy", mmap_mode="r")
+    assert store.shape == (index["starts"][-1], 128) and len(index["prompts"]) == 300
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_path)
+    for k in (0, 127, 128, 299):  # (first and last of a batch, the next batch, the last prompt)
+        ids = tok(index["prompts"][k], add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            ref = hf_llama(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0]
+        assert_close(torch.from_numpy(np.array(store[index["starts"][k] : index["starts"][k + 1]])), ref)
