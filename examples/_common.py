@@ -56,3 +56,33 @@ def walk(envoy: Any, path: str) -> Any:
 
 def architecture(model: Any) -> str:
     return next(iter(model.meta_tree().values()))
+
+
+def heatmap(path: Path, values: Any, columns: list[str], title: str, xlabel: str, colour: str,
+            cmap: str = "viridis", limits: tuple[float, float] | None = None,
+            cells: list[list[str]] | None = None) -> None:
+    """A layers × positions picture (layer 0 at the bottom), saved as a PNG;
+    ``cells``: text written in each cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = values.numpy() if hasattr(values, "numpy") else values
+    layers, positions = values.shape
+    low, high = limits if limits is not None else (float(values.min()), float(values.max()))
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * positions, 1.0 + 0.5 * layers))
+    im = ax.imshow(values, aspect="auto", cmap=cmap, vmin=low, vmax=high, origin="lower")
+    for i, row in enumerate(cells or ()):
+        for j, text in enumerate(row):
+            dark = values[i, j] < low + 0.6 * (high - low)
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+    ax.set_xticks(range(positions), columns, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(layers), [str(i) for i in range(layers)])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label=colour)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

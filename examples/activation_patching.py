@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 import torch
-from _common import architecture, open_model, out_dir, parser, walk
+from _common import architecture, heatmap, open_model, out_dir, parser, walk
 
 CLEAN = "The Eiffel Tower is in Paris, the capital of"
 CORRUPT_AT = 2  # the token replaced (by the first token of --corrupt-with)
@@ -85,35 +85,18 @@ def main() -> None:
     for i in range(n_layers):
         print(f"{i:>5} | " + " | ".join(f"{float(s):>9.3f}" for s in scores[i]))
     out = out_dir(args)
-    plot(out / "activation_patching.png", tokens, scores, args.position)
+    bound = max(1.0, float(scores.abs().max()))
+    heatmap(out / "activation_patching.png", scores, [f"[{t}]" if j == args.position else t
+                                                     for j, t in enumerate(tokens)],
+            "activation patching: share of the logit difference restored",
+            "position patched (the corrupted token in brackets)", "restored (1 = the clean run's)",
+            cmap="RdBu", limits=(-bound, bound))
     (out / "activation_patching.json").write_text(json.dumps({
         "clean_ids": clean_ids, "corrupt_ids": corrupt_ids, "good": good, "bad": bad,
         "clean_diff": clean_diff, "corrupt_diff": corrupt_diff, "scores": scores.tolist()}))
     print(f"wrote {out / 'activation_patching.png'} and {out / 'activation_patching.json'}")
     if not args.serve:
         model.shutdown()
-
-
-def plot(path, tokens: list[str], scores: torch.Tensor, corrupted: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layers, positions = scores.shape
-    fig, ax = plt.subplots(figsize=(1.2 + 1.0 * positions, 1.0 + 0.5 * layers))
-    bound = max(1.0, float(scores.abs().max()))
-    im = ax.imshow(scores.numpy(), aspect="auto", cmap="RdBu", vmin=-bound, vmax=bound, origin="lower")
-    labels = [f"[{t}]" if j == corrupted else t for j, t in enumerate(tokens)]
-    ax.set_xticks(range(positions), labels, rotation=45, ha="right", fontsize=8)
-    ax.set_yticks(range(layers), [str(i) for i in range(layers)])
-    ax.set_xlabel("position patched (the corrupted token in brackets)")
-    ax.set_ylabel("layer patched")
-    ax.set_title("activation patching: share of the logit difference restored")
-    fig.colorbar(im, ax=ax, label="restored (1 = the clean run's)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 import torch
-from _common import architecture, open_model, out_dir, parser, walk
+from _common import architecture, heatmap, open_model, out_dir, parser, walk
 
 
 def lens(model, prompt: str, serve: dict) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -48,31 +48,6 @@ def lens(model, prompt: str, serve: dict) -> tuple[list[int], torch.Tensor, torc
     return list(result.prompt_token_ids), top.cpu(), p_final.cpu()
 
 
-def plot(path, tokens: list[str], top: list[list[str]], p_final: torch.Tensor) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layers, positions = p_final.shape
-    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * positions, 1.0 + 0.5 * layers))
-    top_p = float(p_final.max())
-    im = ax.imshow(p_final.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=top_p, origin="lower")
-    for i in range(layers):
-        for j in range(positions):
-            ax.text(j, i, top[i][j], ha="center", va="center", fontsize=7,
-                    color="white" if p_final[i, j] < 0.6 * top_p else "black")
-    ax.set_xticks(range(positions), tokens, rotation=45, ha="right", fontsize=8)
-    ax.set_yticks(range(layers), [str(i) for i in range(layers)])
-    ax.set_xlabel("position (input token)")
-    ax.set_ylabel("layer")
-    ax.set_title("logit lens: probability of the final prediction, top token per cell")
-    fig.colorbar(im, ax=ax, label="p(final top token)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--prompt", default="The Eiffel Tower is in Paris, the capital of")
@@ -91,7 +66,9 @@ def main() -> None:
     for i, row in enumerate(table):
         print(f"{i:>5} | " + " | ".join(f"{t:>{width}}" for t in row))
     out = out_dir(args)
-    plot(out / "logit_lens.png", tokens, table, p_final)
+    heatmap(out / "logit_lens.png", p_final, tokens, "logit lens: probability of the final prediction, "
+            "top token per cell", "position (input token)", "p(final top token)",
+            limits=(0.0, float(p_final.max())), cells=table)
     (out / "logit_lens.json").write_text(json.dumps({
         "prompt_token_ids": ids, "top_token_ids": top.tolist(), "p_final_top": p_final.tolist()}))
     print(f"wrote {out / 'logit_lens.png'} and {out / 'logit_lens.json'}")
