@@ -112,3 +112,22 @@ def _trace_in_a_function(llama, threshold):
 def test_a_trace_body_that_saves_sees_the_callers_names(llama):
     rows, picked = _trace_in_a_function(llama, 5)
     assert picked == PROMPTS[1:] and len(rows) == len(picked)
+
+
+def test_a_value_put_into_a_saved_list_is_kept_as_it_was(llama, hf_llama):
+    """A row appended to a saved list (or put into a saved dict) is a copy, as ``.save()``
+    makes one: vLLM's kernels write into a layer's output buffer later in the step (on
+    CUDA the next layer's fused residual add and norm does), and so may the block."""
+    from conftest import HFRun
+
+    with llama.trace("Hello world", temperature=0.0, max_tokens=1, extra_args={"nnsight_lower": False}) as tracer:
+        rows = list().save()
+        named = dict().save()
+        out = llama.model.layers[1].output
+        rows.append(out[0][-1])
+        named["last"] = out[0][-1]
+        out[0][:] += 1  # (an in-place change after the row was put away)
+    run = HFRun(hf_llama, list(tracer.outputs[0].prompt_token_ids)).record("mlp1", hf_llama.model.layers[1].mlp)
+    run.logits()
+    assert_close(rows[0], run.records["mlp1"][-1])
+    assert_close(named["last"], run.records["mlp1"][-1])

@@ -163,7 +163,7 @@ class Interleaver:
             session.namespace.update({k: self._to_device(v) for k, v in values.items()})
             for name, value in values.items():  # trace-level lists the block appends to: saved
                 if isinstance(value, codec.SharedList):
-                    session.namespace[name] = session.keep(codec.SharedList(session.namespace[name]))
+                    session.namespace[name] = session.save(session.namespace[name])
         except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
             session.fail(f"bad payload{' (' + label + ')' if label else ''}: {exc}")
         return session

@@ -132,6 +132,62 @@ def copy_value(value: Any, owned: Callable[[torch.Tensor], bool] | None = None) 
     return map_tensors(value, lambda t: t.detach() if owned(t) else t.detach().clone())
 
 
+class SavedList(list):
+    """A list a block saved: a tensor put into it later is kept as a copy, as ``.save()``
+    copies (vLLM's kernels write into their buffers in place later in the step, e.g. the
+    next layer's fused residual add and norm into this layer's output)."""
+
+    def __init__(self, items: Any = (), copy: Callable[[Any], Any] = lambda v: v):
+        super().__init__(items)
+        self._copy = copy
+
+    def append(self, value: Any) -> None:
+        super().append(self._copy(value))
+
+    def extend(self, values: Any) -> None:
+        super().extend(self._copy(v) for v in values)
+
+    def insert(self, index: Any, value: Any) -> None:
+        super().insert(index, self._copy(value))
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, [self._copy(v) for v in value] if isinstance(index, slice) else self._copy(value))
+
+    def __iadd__(self, values: Any) -> SavedList:
+        self.extend(values)
+        return self
+
+
+class SavedDict(dict):
+    """A dict a block saved: values put into it later are kept as copies (see SavedList)."""
+
+    def __init__(self, items: Any = (), copy: Callable[[Any], Any] = lambda v: v):
+        super().__init__(items)
+        self._copy = copy
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, self._copy(value))
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+
+def saved_containers(value: Any, copy: Callable[[Any], Any]) -> Any:
+    """``value`` with its lists and dicts (nested too) as Saved ones that copy what is
+    put into them; the rest as it is."""
+    if isinstance(value, list) and not isinstance(value, SavedList):
+        return SavedList((saved_containers(v, copy) for v in value), copy)
+    if isinstance(value, dict) and not isinstance(value, SavedDict):
+        return SavedDict(((k, saved_containers(v, copy)) for k, v in value.items()), copy)
+    return value
+
+
 def engine_error(message: str, lineno: int | None = None, line: str = "",
                  filename: str = "<engine>") -> dict[str, Any]:
     """A request's error as the results carry it, for a failure the engine reports."""
@@ -335,8 +391,11 @@ class RequestSession:
         return self._glet.parent.switch()
 
     def save(self, value: Any) -> Any:
-        inter = self.interleaver
-        return self.keep(copy_value(value, inter.owns if inter is not None else None))
+        owned = self.interleaver.owns if self.interleaver is not None else None
+        copied = copy_value(value, owned)
+        if isinstance(copied, (list, dict)):  # (what is put into it later is copied too)
+            copied = saved_containers(copied, lambda v: copy_value(v, owned))
+        return self.keep(copied)
 
     def keep(self, value: Any) -> Any:
         """Save ``value`` itself: the caller made it private (a batched read's own copy)."""
