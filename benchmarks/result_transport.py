@@ -14,7 +14,7 @@ Shapes are the headline benchmark's (benchmarks/gpu): 256 requests, layer 8's
 residual stream of a 2048-wide bf16 model, (a) over a 128-token prefill (one
 [128, 2048] tensor each) and (b) one [1, 2048] row per generated token (128 rows,
 one ``$tensors`` buffer). Two forms of the tensor data are timed side by side:
-``frames`` (a uint8 tensor: msgpack sends it as a frame of its own and the front
+``frames`` (a uint8 numpy array: msgpack sends it as a frame of its own and the front
 end puts the frame back, as the plugin does) and ``bytes`` (the same data as bytes
 inside the message). Prints a markdown table; compare within one run.
 """
@@ -26,13 +26,14 @@ import pickle
 import statistics
 import time
 
+import numpy as np
 import torch
 
 
 def _as_bytes(obj: object) -> object:
     """The encoded saves with tensor data as bytes inside the message."""
     if isinstance(obj, dict):
-        return {k: bytes(v.numpy()) if k == "data" and isinstance(v, torch.Tensor) else _as_bytes(v)
+        return {k: bytes(v) if k == "data" and isinstance(v, np.ndarray) else _as_bytes(v)
                 for k, v in obj.items()}
     if isinstance(obj, list):
         return [_as_bytes(v) for v in obj]

@@ -56,7 +56,7 @@ def test_a_list_of_tensors_travels_as_one_buffer():
 
 
 def test_binary_results_cross_msgpack_as_frames_and_become_the_json_form():
-    """Inside vLLM tensor data is a uint8 tensor: vLLM's msgpack sends it as a frame of
+    """Inside vLLM tensor data is a uint8 array: vLLM's msgpack sends it as a frame of
     its own (no copy into the message), the front end puts the frame back
     (resolve_frames); the OpenAI server's to_json gives exactly the JSON form."""
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -64,7 +64,7 @@ def test_binary_results_cross_msgpack_as_frames_and_become_the_json_form():
     obj = {"h": torch.randn(30, 40).to(torch.bfloat16), "steps": [torch.randn(1, 4), torch.randn(1, 4)],
            "pair": (torch.ones(2, dtype=torch.int64), 2.5)}
     binary = values.encode(obj, binary=True)
-    assert isinstance(binary["$dict"][0][1]["$tensor"]["data"], torch.Tensor)
+    assert isinstance(binary["$dict"][0][1]["$tensor"]["data"], np.ndarray)
     frames = MsgpackEncoder().encode(binary)
     assert len(frames) == 2  # (the 2400-byte tensor as a frame; small ones inline)
     wire = MsgpackDecoder().decode(frames)  # what vLLM's msgpack does to Any

@@ -126,8 +126,8 @@ class RowLog:
             return tagged.encode(self.tensors(), binary)
         inner = list(like.shape[1:])
         data = tagged.buffer(sum(self.counts) * math.prod(inner) * like.element_size())  # (all gathered into)
-        if data.numel():
-            self._gather(data.view(like.dtype).view(-1, *inner))
+        if data.size:
+            self._gather(torch.from_numpy(data).view(like.dtype).view(-1, *inner))
         return {"$tensors": {"dtype": tagged.dtype_name(like.dtype),
                              "shapes": [inner if self.squeeze else [n, *inner] for n in self.counts],
                              "data": data}}

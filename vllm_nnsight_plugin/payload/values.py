@@ -36,6 +36,7 @@ import math
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -74,20 +75,21 @@ def _bytes(t: torch.Tensor) -> bytes | memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor | bytes:
-    """Binary data: the tensor's bytes as a flat uint8 CPU tensor (a view where it is
-    contiguous). vLLM's msgpack sends a tensor as a frame of its own, without copying
-    it into the message (bytes would be copied in, and again out in the front end);
-    the front end hands the frame back (:func:`resolve_frames`)."""
+def _raw(t: torch.Tensor) -> np.ndarray | bytes:
+    """Binary data: the tensor's bytes as a flat uint8 numpy array (a view where the
+    tensor is contiguous). vLLM's msgpack sends an array as a frame of its own, without
+    copying it into the message (bytes would be copied in, and again out in the front
+    end), and the front end hands the frame back (:func:`resolve_frames`); pickled (a
+    tensor-parallel worker's output to the engine core) it is one copy of its bytes."""
     t = t.detach().to("cpu").contiguous()
     if sys.byteorder != "little" and t.element_size() > 1:  # pragma: no cover
         return t.numpy().byteswap().tobytes()
-    return t.reshape(-1).view(torch.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def encode_tensor(t: torch.Tensor, binary: bool = False) -> dict[str, Any]:
     """A tensor as ``{"dtype", "shape", "data"}`` (little-endian bytes: base64 text, or
-    with ``binary`` a uint8 tensor of them)."""
+    with ``binary`` a uint8 array of them)."""
     data = _raw(t) if binary else _data(_bytes(t), binary)
     return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": data}
 
@@ -97,7 +99,7 @@ def _owned(data: Any) -> torch.Tensor:
     it came in is not kept)."""
     if isinstance(data, torch.Tensor):
         return data.detach().reshape(-1).view(torch.uint8).clone()
-    if not isinstance(data, (bytes, bytearray, memoryview)):
+    if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
         if not isinstance(data, str):
             raise TypeError(f"tensor data is a {type(data).__name__}")
         data = base64.b64decode(data, validate=True)
@@ -142,10 +144,11 @@ def resolve_frames(obj: Any, frames: Any) -> None:
                 resolve_frames(v, frames)
 
 
-def buffer(size: int) -> torch.Tensor:
+def buffer(size: int) -> np.ndarray:
     """Binary data of ``size`` bytes, left as the allocator gives them, for a caller that
-    overwrites every byte (result buffers of every-token reads: 267 MB per batch of 256)."""
-    return torch.empty(size, dtype=torch.uint8)
+    overwrites every byte through ``torch.from_numpy`` (result buffers of every-token
+    reads: 267 MB per batch of 256)."""
+    return np.empty(size, dtype=np.uint8)
 
 
 def encode_tensors(ts: list[torch.Tensor], binary: bool = False) -> dict[str, Any]:
@@ -158,7 +161,7 @@ def encode_tensors(ts: list[torch.Tensor], binary: bool = False) -> dict[str, An
     total = sum(p.numel() for p in parts)
     if binary and total and sys.byteorder == "little" and all(p.device.type == "cpu" for p in parts):
         data = buffer(total * ts[0].element_size())  # (every byte written by the cat)
-        torch.cat(parts, out=data.view(ts[0].dtype))
+        torch.cat(parts, out=torch.from_numpy(data).view(ts[0].dtype))
         return {"dtype": name, "shapes": shapes, "data": data}
     return {"dtype": name, "shapes": shapes, "data": _data(_bytes(torch.cat(parts)), binary)}
 
@@ -215,7 +218,7 @@ def encode(value: Any, binary: bool = False) -> Any:
 
 def to_json(obj: Any) -> Any:
     """A binary-encoded value (raw bytes in tensor data) in its JSON-safe form (base64)."""
-    if isinstance(obj, (bytes, bytearray, memoryview)):
+    if isinstance(obj, (bytes, bytearray, memoryview, np.ndarray)):
         return base64.b64encode(obj).decode()
     if isinstance(obj, torch.Tensor):
         return base64.b64encode(memoryview(obj.reshape(-1).view(torch.uint8).numpy())).decode()
