@@ -42,9 +42,9 @@ def install_saves_property(request_output_cls: type) -> None:
 
 
 def install_frames(decoder_cls: type) -> None:
-    """Results carry tensor data as tensors, which vLLM's msgpack sends as frames of
-    their own (no copy into the message, none out of it). Its decoder only turns them
-    back into tensors where a field is typed as one; ``kv_transfer_params`` is not, so
+    """Results carry tensor data as uint8 arrays, which vLLM's msgpack sends as frames
+    of their own (no copy into the message, none out of it). Its decoder only turns them
+    back into arrays where a field is typed as one; ``kv_transfer_params`` is not, so
     the frames are put into the results here, while the decoder still has them."""
     from . import compat
 

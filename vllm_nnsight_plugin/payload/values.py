@@ -108,7 +108,7 @@ def _owned(data: Any) -> torch.Tensor:
 
 
 def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
-    """Inverse of :func:`encode_tensor` (data as base64, raw bytes or a uint8 tensor);
+    """Inverse of :func:`encode_tensor` (data as base64, raw bytes or a uint8 array);
     validates dtype, shape and byte count."""
     try:
         dtype = _DTYPES[obj["dtype"]]
