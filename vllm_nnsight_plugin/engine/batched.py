@@ -114,7 +114,6 @@ class BatchedEdits:
         self._next_seq = 0
         self.late: set[tuple] = set()  # locations with late entries (cache reads: after every edit)
         self._expanded: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # see with_caches
-        self.cache_expansions: dict[str, Any] = {}  # cache op text -> its reads (see cache.expander)
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
         """Register a request's ops (applied in block then spec order per location)."""

@@ -50,16 +50,20 @@ class Expansion:
     dtype: str | None
 
 
+def ios(op: dict[str, Any]) -> list[str]:
+    """What a cache op keeps of each module: ``"output"``, ``"input"`` or both."""
+    return [io for io, flag in (("output", op.get("outputs", True)), ("input", op.get("inputs", False))) if flag]
+
+
 def expand(op: dict[str, Any], paths: list[str], structure_of: Callable[[str], int | None]) -> Expansion:
     """The reads of a cache op over ``paths`` (module paths in forward order);
     ``structure_of(path)``: N for a module whose forward returns a tuple of N
     tensors, else None (read as it comes)."""
-    ios = [io for io, flag in (("output", op.get("outputs", True)), ("input", op.get("inputs", False))) if flag]
     steps = op.get("steps", "all")
     reads: list[dict[str, Any]] = []
     parts: list[Part] = []
     for path in paths:
-        for io in ios:
+        for io in ios(op):
             n = structure_of(path) if io == "output" else None
             names = []
             for element in range(n) if n else (None,):
@@ -108,11 +112,9 @@ class ModuleCache:
             if all(v is not None and not (isinstance(v, (RowLog, Dropped)) and len(v) == 0) for v in found):
                 yield part, found  # (a module never reached, or not per token, has no values)
 
-    def count(self) -> int:
-        return sum(_count(v) for _, found in self._parts() for v in found)
-
-    def nbytes(self) -> int:
-        return sum(_nbytes(v) for _, found in self._parts() for v in found)
+    def values(self) -> list[Any]:
+        """The reads' values (what the saved-value limits measure)."""
+        return [v for _, found in self._parts() for v in found]
 
     def __nnsight_encode__(self, binary: bool) -> Any:
         entries = [[part.path, part.io, "tuple" if part.is_tuple else "tensor",
@@ -121,22 +123,6 @@ class ModuleCache:
 
     def __repr__(self) -> str:
         return f"ModuleCache({self._expansion.name!r}, {len(self._expansion.parts)} locations)"
-
-
-def _count(value: Any) -> int:
-    if isinstance(value, RowLog):
-        return value.count()
-    return len(value) if isinstance(value, (tuple, list)) else 1
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, RowLog):
-        return value.nbytes()
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(_nbytes(v) for v in value)
-    return 0
 
 
 def default_paths(model: torch.nn.Module, shared: frozenset[int], outside_forward: frozenset[str],
@@ -188,10 +174,10 @@ def resolve_path(model: torch.nn.Module, raw: str) -> str:
 def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
     """Expands a cache op against the interleaver's model: every module it serves, or
     the op's ``modules`` (each checked: known, on one path, served). Memoized per op
-    text, so requests caching alike share their reads."""
+    text, so requests caching alike share their reads (the interleaver keeps one)."""
     from . import compat, lower
 
-    memo: dict[str, Expansion] = inter.batched.cache_expansions
+    memo: dict[str, Expansion] = {}
 
     def served(path: str, io: str) -> bool:
         try:
@@ -208,10 +194,10 @@ def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
         found = memo.get(key)
         if found is not None:
             return found
-        ios = [io for io, flag in (("output", op.get("outputs", True)), ("input", op.get("inputs", False))) if flag]
+        kept = ios(op)
         shared = inter.lowerings.shared()
         if op.get("modules") is None:
-            paths = default_paths(inter.model, shared, compat.OUTSIDE_FORWARD, served, ios)
+            paths = default_paths(inter.model, shared, compat.OUTSIDE_FORWARD, served, kept)
         else:
             paths = []
             for raw in op["modules"]:
@@ -219,7 +205,7 @@ def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
                 if id(inter.envoy_at(path)._module) in shared:
                     raise ValueError(f"{path} is reachable by two paths (shared weights): it runs once per path "
                                      "in a step, so a cache cannot tell its visits apart")
-                for io in ios:
+                for io in kept:
                     inter.check_module_access(path, io)
                 paths.append(path)
         if len(memo) > 64:

@@ -52,6 +52,7 @@ class Interleaver:
         self.lowerings = lower.Lowerings(model, compat.model_dtype(vllm_config), self.watchdog.limit_s)
         self.splits = shards.Splits(model)  # tensor parallel: which locations are split across ranks
         self.batched = batched.BatchedEdits(self)
+        self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
         self.finite = isolation.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
         self._guard_memo: list | None = None  # [epoch, rows, traced ids, their rows' index, steps to a last step]
@@ -196,7 +197,7 @@ class Interleaver:
         from .spec_runner import run_spec
 
         guards.refuse_integer_writes(env, self.integer_inputs)
-        env = self.batched.with_caches(env, cache.expander(self))
+        env = self.batched.with_caches(env, self.expand_cache)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
         if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
             env = self.batched.for_request(env, max_tokens)
@@ -229,7 +230,7 @@ class Interleaver:
         from ..payload import spec
 
         spec.validate({"v": 1, "kind": "spec", "ops": [op]})
-        return cache.attach(self, session, cache.expander(self)(op), 1 << 20)
+        return cache.attach(self, session, self.expand_cache(op), 1 << 20)
 
     def envoy_at(self, path: str) -> WorkerEnvoy:
         """The envoy of a dotted module path (``model.layers.1.mlp``)."""

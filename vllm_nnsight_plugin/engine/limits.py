@@ -31,8 +31,11 @@ def measure(value: Any) -> tuple[int, int]:
     for item in leaves(value):
         if isinstance(item, torch.Tensor):
             count, size = count + 1, size + item.numel() * item.element_size()
-        elif isinstance(item, (RowLog, ModuleCache)):  # a batched read's per-step rows; a cache's
+        elif isinstance(item, RowLog):  # a batched read's per-step rows
             count, size = count + item.count(), size + item.nbytes()
+        elif isinstance(item, ModuleCache):
+            found = measure(item.values())
+            count, size = count + found[0], size + found[1]
         else:
             count += 1
     return count, size

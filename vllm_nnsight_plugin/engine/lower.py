@@ -216,14 +216,13 @@ def _merged_edits(rec: Recorder) -> list[tuple[int, dict[str, Any], int]]:
 def _check_cache(model: torch.nn.Module, op: dict[str, Any], check_access: Callable[[str, str], None]) -> None:
     """A cache's named modules exist and are served (a cache of every module takes
     those the engine serves)."""
-    from .cache import resolve_path
+    from .cache import ios, resolve_path
 
     for raw in op.get("modules") or ():
         path = resolve_path(model, raw)
         model.get_submodule(path)
-        for io, flag in (("output", op.get("outputs", True)), ("input", op.get("inputs", False))):
-            if flag:
-                check_access(path, io)
+        for io in ios(op):
+            check_access(path, io)
 
 
 CACHEABLE = 64 * 1024  # payload text (values + source) whose lowering is cached

@@ -60,9 +60,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _data(raw: bytes | memoryview, binary: bool) -> bytes | str:
-    """Raw bytes or base64 text."""
-    return bytes(raw) if binary else base64.b64encode(raw).decode()
+def _text(raw: bytes | memoryview) -> str:
+    """Tensor data as JSON carries it: base64 text."""
+    return base64.b64encode(raw).decode()
 
 
 def _bytes(t: torch.Tensor) -> bytes | memoryview:
@@ -90,7 +90,7 @@ def _raw(t: torch.Tensor) -> np.ndarray | bytes:
 def encode_tensor(t: torch.Tensor, binary: bool = False) -> dict[str, Any]:
     """A tensor as ``{"dtype", "shape", "data"}`` (little-endian bytes: base64 text, or
     with ``binary`` a uint8 array of them)."""
-    data = _raw(t) if binary else _data(_bytes(t), binary)
+    data = _raw(t) if binary else _text(_bytes(t))
     return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": data}
 
 
@@ -163,7 +163,8 @@ def encode_tensors(ts: list[torch.Tensor], binary: bool = False) -> dict[str, An
         data = buffer(total * ts[0].element_size())  # (every byte written by the cat)
         torch.cat(parts, out=torch.from_numpy(data).view(ts[0].dtype))
         return {"dtype": name, "shapes": shapes, "data": data}
-    return {"dtype": name, "shapes": shapes, "data": _data(_bytes(torch.cat(parts)), binary)}
+    whole = torch.cat(parts)
+    return {"dtype": name, "shapes": shapes, "data": _raw(whole) if binary else _text(_bytes(whole))}
 
 
 def decode_tensors(obj: dict[str, Any]) -> list[torch.Tensor]:
