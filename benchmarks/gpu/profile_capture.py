@@ -86,6 +86,15 @@ _PHASES = [  # (module, class, method): each timed on its own (nested calls coun
     ("vllm_nnsight_plugin.engine.runner_v2", None, "close_step"),
     ("vllm_nnsight_plugin.engine.runner_v2", None, "admit_step"),
     ("vllm_nnsight_plugin.engine.taps", None, "step_graph_mode"),
+    ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "guard_logits"),
+    ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "admit"),
+    ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "needs_python"),
+    ("vllm_nnsight_plugin.engine.lanes", "PartLane", "set_table"),
+    ("vllm_nnsight_plugin.engine.lanes", "PartLane", "done"),
+    ("vllm_nnsight_plugin.engine.isolation", "FiniteLogits", "check"),
+    ("vllm_nnsight_plugin.engine.isolation", "FiniteLogits", "collect"),
+    ("vllm_nnsight_plugin.engine.isolation", None, "zero_reused_blocks"),
+    ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs"),
 ]
 
 
@@ -160,6 +169,7 @@ def profile_one(llm, prompts, sps, workload: str, args) -> None:
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats("nnsight", 30)
+    stats.sort_stats("tottime").print_stats("nnsight", 30)
     print(out.getvalue()[:20000])
 
     if not torch.cuda.is_available():
