@@ -383,6 +383,17 @@ def test_lane_tables_follow_the_batch_when_steps_repeat_or_change(llama_path):
             assert len(got) == len(rows) and all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, rows))
         assert lanes.STATS["lane"] - served == len(layouts)  # every step served by the lanes
         assert all(s.error is None for blocks in inter.sessions.values() for s in blocks)
+        # an untraced step next: a full CUDA graph replays every lane's kernels, after the
+        # runner settles the lanes (the last step's slots are still in sel until then)
+        parts = [lane for site in lanes.sites() for lane in lanes.lanes_at(site) if lane is not None]
+        assert any(bool(lane.sel.any()) for lane in parts)
+        x = torch.randn(3, 4)
+        with torch.inference_mode():  # (as vLLM's worker runs every step)
+            lanes.settle()
+            for lane in parts:
+                replayed = x.clone()
+                lane.kernels(replayed)
+                assert torch.equal(replayed, x)
     finally:
         lanes.reset()
 

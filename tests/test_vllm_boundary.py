@@ -53,6 +53,12 @@ def test_wrapped_functions_and_other_names_exist():
         tensor_model_parallel_all_reduce,
     )
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.v1.core.sched import scheduler
+
+    # compat.finished_since_schedule: the ids freed since the last schedule(), emptied by it
+    source = inspect.getsource(scheduler)
+    for needed in ("self.finished_req_ids.add(request", "self.finished_req_ids = set()"):
+        assert needed in source, f"vLLM's Scheduler no longer has {needed}"
 
     for cls, attrs in ((ColumnParallelLinear, ("gather_output", "output_partition_sizes", "tp_size")),
                        (RowParallelLinear, ("input_is_parallel", "reduce_results", "tp_size"))):

@@ -15,6 +15,12 @@ plain, prefill, every_token, steer, prefill_spec, every_token_spec, steer_spec.
 --phases: instead, wall time per engine phase (scheduler, runner, output path),
 unprofiled, plain beside the workload over alternating reps: cProfile inflates
 Python-heavy code, so this is the fair split of where the extra time goes.
+A workload ``NAME~PART+PART`` (phases only) runs NAME with parts of the plugin
+switched back to vLLM's own code for its reps (an ablation: what each part costs;
+results may then be missing): ``sched`` (the scheduler and KV-block wraps),
+``results`` (the scheduler's result merge), ``guard`` (the logits check),
+``inputs`` (the front end's payload check and salt), ``runner`` (every runner wrap:
+nothing traced runs at all).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ def main() -> None:
     parser.add_argument("--taps", action="store_true")
     parser.add_argument("--v1", action="store_true")
     parser.add_argument("--phases", action="store_true")
+    parser.add_argument("--reps", type=int, default=3, help="--phases: reps per workload")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.v1:
@@ -55,10 +62,12 @@ def main() -> None:
     prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(headline.PLEN)]}
                for _ in range(headline.N)]
     sps = headline.workload_params()
+    for name in args.workloads:
+        sps.setdefault(name, sps[name.split("~")[0]])
     for name in ["plain", *args.workloads]:  # warm-up at full batch
         llm.generate(prompts, sps[name], use_tqdm=False)
     if args.phases:
-        phases(llm, prompts, sps, args.workloads)
+        phases(llm, prompts, sps, args.workloads, args.reps)
         return
     for workload in args.workloads:
         print(f"===== {workload} =====", flush=True)
@@ -98,6 +107,46 @@ _PHASES = [  # (module, class, method): each timed on its own (nested calls coun
 ]
 
 
+_ABLATE = {  # part -> (module, class, method) whose plugin wrap a rep swaps for vLLM's own
+    "sched": [("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+              ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "free"),
+              ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "pop_blocks_for_free"),
+              ("vllm.v1.core.block_pool", "BlockPool", "get_new_blocks")],
+    "results": [("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output")],
+    "guard": [("vllm_nnsight_plugin.engine.interleave", "Interleaver", "guard_logits")],
+    "inputs": [("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs")],
+    "runner": [("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", m)
+               for m in ("execute_model", "prepare_inputs", "sample", "sample_tokens")],
+}
+
+
+class _Ablated:
+    """For one rep: the named parts' wraps replaced by vLLM's own methods."""
+
+    def __init__(self, parts: list[str]):
+        import importlib
+
+        self.swaps = []
+        for part in parts:
+            for mod_name, cls_name, meth in _ABLATE[part]:
+                cls = getattr(importlib.import_module(mod_name), cls_name)
+                current = cls.__dict__.get(meth)
+                if current is None:
+                    continue
+                original = getattr(current, "__nnsight_original__", None)
+                if original is None and part == "guard":
+                    original = lambda self, logits: None  # noqa: E731
+                self.swaps.append((cls, meth, current, original or current))
+
+    def __enter__(self):
+        for cls, meth, _, original in self.swaps:
+            setattr(cls, meth, original)
+
+    def __exit__(self, *exc):
+        for cls, meth, current, _ in self.swaps:
+            setattr(cls, meth, current)
+
+
 def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
     """Seconds per phase per rep (median of ``reps``), plain and each workload alternating."""
     import importlib
@@ -105,7 +154,10 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
 
     spent: dict[str, float] = collections.defaultdict(float)
 
+    import functools
+
     def timed(name: str, fn):
+        @functools.wraps(fn)  # (keeps the plugin's __nnsight_original__: ablations find vLLM's own)
         def wrapper(*args, **kwargs):
             t = time.perf_counter()
             try:
@@ -137,9 +189,11 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
     for _ in range(reps):
         for workload in ["plain", *workloads]:
             spent.clear()
-            t = time.perf_counter()
-            llm.generate(prompts, sps[workload], use_tqdm=False)
-            per[workload]["wall"].append(time.perf_counter() - t)
+            parts = workload.partition("~")[2]
+            with _Ablated(parts.split("+") if parts else []):
+                t = time.perf_counter()
+                llm.generate(prompts, sps[workload], use_tqdm=False)
+                per[workload]["wall"].append(time.perf_counter() - t)
             for name in names:
                 per[workload][name].append(spent[name])
     cols = ["plain", *workloads]

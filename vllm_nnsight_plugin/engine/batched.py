@@ -298,7 +298,11 @@ class BatchedEdits:
     def fill_lanes(self, layout: Any) -> None:
         """Before the forward: each laneable location's slot per row and slot tables.
         A step with the same rows as the last (decode steps of a steady batch) and no
-        change to the entries uploads the last step's tables again, no per-request work."""
+        change to the entries keeps the last step's tables, no per-request work."""
+        self._fill_lanes(layout)
+        lanes.settle()
+
+    def _fill_lanes(self, layout: Any) -> None:
         self.laned = {}
         if not self.at or not lanes.enabled() or layout.num_tokens > lanes.capacity():
             return

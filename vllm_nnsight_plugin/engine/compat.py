@@ -554,6 +554,12 @@ def waiting_requests(scheduler: Any) -> list[Any]:
     return out
 
 
+def finished_since_schedule(scheduler: Any) -> set[str]:
+    """Ids of the requests the scheduler freed since its last ``schedule()`` (finished,
+    stopped or aborted; it empties the set at the end of ``schedule()``)."""
+    return scheduler.finished_req_ids
+
+
 def scheduler_block_pool(scheduler: Any) -> Any:
     manager = getattr(scheduler, "kv_cache_manager", None)
     return getattr(manager, "block_pool", None)

@@ -702,6 +702,7 @@ class Interleaver:
             for lane in parts:
                 lane.done()
         self.batched.laned = {}
+        lanes.settle()
         message = (f"vLLM raised {type(exc).__name__} in a step this request's intervention took part in "
                    f"({str(exc)[:300]}); the step was computed again without the interventions and the "
                    "requests that had one end here")

@@ -23,6 +23,10 @@ price of keeping full graphs; ``--additional-config '{"nnsight": {"lanes":
 false}}'`` turns lanes off). Outside graph replay (eager or piecewise steps)
 they run only on steps that use them.
 
+A step with the rows and slots of the step before (decode steps of a steady
+batch) uploads nothing: ``sel`` keeps its table, and :func:`settle` zeroes, before
+a forward, only the lanes that step does not use.
+
 Lanes are per worker process, keyed by tap site (as the tap op's handler is):
 one tapped engine per process, which is how vLLM runs its workers.
 """
@@ -43,6 +47,7 @@ _cap = 0  # rows a lane holds (vLLM's largest CUDA-graph batch); 0: lanes off
 _sites: dict[str, list[PartLane | None]] = {}  # tap site -> a lane per tensor of its value
 _not_in_graphs: set[str] = set()  # sites captured into a full graph before their lanes existed
 _failed: set[str] = set()  # sites whose lane kernels raised this step
+_stale: set[PartLane] = set()  # lanes whose sel may still hold an earlier step's slots
 STATS = {"lane": 0, "python": 0}  # location-steps of batched specs served by lanes / by Python
 logger = logging.getLogger("vllm.nnsight_plugin")
 
@@ -88,6 +93,7 @@ class PartLane:
         self.editing = False  # sel holds slots this step
         self.reading = False  # a read wants this step's rows
         self.slot_keys: tuple = ()  # what the tables hold (re-uploaded when it changes)
+        self._live: Any = None  # the host table sel holds (None: zeros)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and tuple(x.shape[1:]) == self.inner and x.shape[0] <= self.rows
@@ -112,7 +118,13 @@ class PartLane:
 
     def set_table(self, table: Any) -> None:
         """Upload a slot-per-row table (from :meth:`set_rows`) through a pinned staging
-        buffer (two, alternating: the copy of the step before may still be in flight)."""
+        buffer (two, alternating: the copy of the step before may still be in flight);
+        nothing when sel already holds that very table."""
+        self.editing = True
+        _stale.discard(self)
+        if table is self._live:
+            return
+        self._live = table
         i = self._turn = 1 - self._turn
         if self._events[i] is not None:
             self._events[i].synchronize()  # its copy two steps ago has long landed
@@ -122,7 +134,6 @@ class PartLane:
         if self.sel.device.type == "cuda":
             self._events[i] = torch.cuda.Event()
             self._events[i].record()
-        self.editing = True
 
     def set_slot(self, slot: int, kind: str, value: arith.Operand | None, factor: float = 1.0) -> None:
         """Slot ``slot`` does ``kind`` (see the module docstring)."""
@@ -136,10 +147,23 @@ class PartLane:
             self.offset[slot].copy_(offset.float().reshape(-1, *self.inner)[0] if offset.dim() else offset.float())
 
     def done(self) -> None:
-        """End of the step: untraced steps replay these kernels too, so sel goes back to 0."""
+        """End of the step. Untraced steps replay these kernels too, so sel goes back to
+        0 before the next forward (:func:`settle`) unless that step sets the same table."""
         if self.editing:
-            self.sel.zero_()
+            _stale.add(self)
         self.editing = self.reading = False
+
+    def clear(self) -> None:
+        if self._live is not None:
+            self.sel.zero_()
+            self._live = None
+
+
+def settle() -> None:
+    """Before a forward: zero sel of the lanes this step does not use (a full CUDA
+    graph replays every lane's kernels)."""
+    while _stale:
+        _stale.pop().clear()
 
 
 def _capturing() -> bool:
@@ -204,3 +228,4 @@ def reset() -> None:
     _sites.clear()
     _not_in_graphs.clear()
     _failed.clear()
+    _stale.clear()

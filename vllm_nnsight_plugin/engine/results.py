@@ -87,35 +87,47 @@ def _update_from_output(original: Callable) -> Callable:
             outputs = original(self, scheduler_output, model_runner_output)
         finally:
             self.__dict__.pop(_OVERRIDE, None)
-        for eco in compat.iter_engine_outputs(outputs):
-            entry = store.get(eco.request_id)
-            if entry is None:
-                continue
-            if eco.finish_reason is not None:
+        finished = compat.finished_since_schedule(self)
+        # only requests with fresh results or that just finished have anything to stamp:
+        # a steady batch of traced requests costs no walk of the step's outputs
+        if step_results or not finished.isdisjoint(store):
+            _stamp_outputs(self, outputs, store, halting)
+        if finished:  # (also forgets requests aborted since: they are no longer scheduled)
+            for req_id in [r for r in store if r not in self.requests]:
+                del store[req_id]
                 if halting:
-                    halting.discard(eco.request_id)
-                final = finalize(store.pop(eco.request_id))
-                final["final"] = True
-                compat.stamp(eco, codec.PAYLOAD_KEY, final)
-            elif entry.pop("dirty", False):
-                request = self.requests.get(eco.request_id)
-                step_saves = entry.pop("step_saves", None)
-                if request is not None and compat.streams_saves(request):
-                    # per-step delivery: what the block saved during this step
-                    partial = codec.results_of(step_saves or {}, entry.get("error"), [])
-                    partial["step"] = entry.get("step", 0)
-                    compat.stamp(eco, codec.PAYLOAD_KEY, partial)
-                elif request is not None and compat.has_stop_strings(request):
-                    # Stop strings end requests in the front end, where this scheduler
-                    # never sees the finish: keep the latest results on every output.
-                    compat.stamp(eco, codec.PAYLOAD_KEY, finalize(entry))
-        for req_id in [r for r in store if r not in self.requests]:
-            del store[req_id]
-            if halting:
-                halting.discard(req_id)
+                    halting.discard(req_id)
         return outputs
 
     return update_from_output
+
+
+def _stamp_outputs(scheduler: Any, outputs: Any, store: dict[str, dict[str, Any]], halting: set[str] | None) -> None:
+    """Stamp the results of this step's outputs: a finished request's final results, a
+    streaming request's saves of this step, the latest results of a request with stop
+    strings (the front end, not the scheduler, may end it)."""
+    for eco in compat.iter_engine_outputs(outputs):
+        entry = store.get(eco.request_id)
+        if entry is None:
+            continue
+        if eco.finish_reason is not None:
+            if halting:
+                halting.discard(eco.request_id)
+            final = finalize(store.pop(eco.request_id))
+            final["final"] = True
+            compat.stamp(eco, codec.PAYLOAD_KEY, final)
+        elif entry.pop("dirty", False):
+            request = scheduler.requests.get(eco.request_id)
+            step_saves = entry.pop("step_saves", None)
+            if request is not None and compat.streams_saves(request):
+                # per-step delivery: what the block saved during this step
+                partial = codec.results_of(step_saves or {}, entry.get("error"), [])
+                partial["step"] = entry.get("step", 0)
+                compat.stamp(eco, codec.PAYLOAD_KEY, partial)
+            elif request is not None and compat.has_stop_strings(request):
+                # Stop strings end requests in the front end, where this scheduler
+                # never sees the finish: keep the latest results on every output.
+                compat.stamp(eco, codec.PAYLOAD_KEY, finalize(entry))
 
 
 def _halting_update(update: Callable, halting: set[str], store: dict[str, dict[str, Any]]) -> Callable:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..payload import codec
-from . import compat, isolation, taps
+from . import compat, isolation, lanes, taps
 from .interleave import Interleaver
 from .rows import StepLayout
 
@@ -100,6 +100,7 @@ def _model_forward(original: Callable) -> Callable:
         so = self.__dict__.get(_SO)
         inter = self.__dict__.get(_ATTR)
         if so is None or inter is None or not inter.working():
+            lanes.settle()  # (an untraced step: lanes left from the last traced one are zeroed)
             return original(self, *args, **kwargs)
         ids = kwargs.get("input_ids")
         if ids is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import compat, isolation, taps
+from . import compat, isolation, lanes, taps
 from .rows import StepLayout
 from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
 
@@ -30,10 +30,12 @@ def _execute_model(original: Callable) -> Callable:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         global _graph_mode
         if kwargs.get("dummy_run"):
+            lanes.settle()
             return original(self, scheduler_output, *args, **kwargs)
         isolation.zero_reused_blocks(self, scheduler_output)
         # V2 drops a preempted request's state and later re-sends it as new
         if admit_step(self, scheduler_output, compat.preempted_ids(scheduler_output)) is None:
+            lanes.settle()  # (an untraced step: lanes left from the last traced one are zeroed)
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
         _graph_mode = taps.step_graph_mode(self, scheduler_output.num_scheduled_tokens)
