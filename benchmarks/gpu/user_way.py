@@ -4,11 +4,14 @@ One ``model.trace()`` with N ``tracer.invoke``s, nnsight's code verbatim (a name
 layer constant, ``for step in tracer.iter[:OLEN]``, ``tracer.iter[:]``), fresh
 prompts every round, ``VLLM(path, taps=[...])`` with vLLM's default engine
 settings (chunked prefill and prefix caching on), beside stock vLLM with CUDA
-graphs on the same prompts in the same run. Each engine lives in its own process;
-a round runs every workload ``--best-of`` times (fresh prompts each try, the same
-for every engine; the fastest try counts), and ratios are taken per round. Output tokens
-are counted from the outputs; any request that ended in an error, or did not run
-as the batched plan, fails the run.
+graphs on the same prompts in the same run. Each engine lives in its own process.
+The lent machine's speed drifts by tens of percent over seconds, so every measurement
+is a pair run back to back on the same fresh prompts: stock vLLM's untraced batch,
+then the workload (the plugin engine's untraced traffic, its traced workloads, a
+second stock engine); the pair's ratio is the workload's tokens/s over stock's. A
+round runs ``--pairs`` pairs of each workload; the table gives the median (and the
+range) over every pair of the run. Output tokens are counted from the outputs; any request that ended in
+an error, or did not run as the batched plan, fails the run.
 
     python3 benchmarks/gpu/user_way.py --reps 3
 """
@@ -138,10 +141,7 @@ def main() -> None:
     parser.add_argument("--memory", type=float, default=0.3)
     parser.add_argument("--engines", default="stock,stock2,plugin",
                         help="stock2: a second stock engine, to show how far two identical engines differ")
-    parser.add_argument("--best-of", type=int, default=2,
-                        help="tries of each workload per round (fresh prompts each, the same for every "
-                             "engine); the fastest counts "
-                             "(one engine's hiccup, e.g. a garbage collection, does not decide a round)")
+    parser.add_argument("--pairs", type=int, default=2, help="pairs of each workload per round (fresh prompts each)")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
@@ -160,40 +160,43 @@ def main() -> None:
         print(f"{kind} ready in {ready['init_s']:.0f}s", flush=True)
         procs[kind] = (proc, ready["workloads"])
     rounds: list[dict[str, dict]] = []
+    stock = procs["stock"][0]
+    measured = [(kind, name) for kind, (_, workloads) in procs.items() for name in workloads if kind != "stock"]
+
+    def timed(proc: Any, name: str, seed: int) -> dict:
+        proc.stdin.write(f"{name} {seed}\n")
+        proc.stdin.flush()
+        return headline._reply(proc, "TIME")
+
     for rnd in range(args.reps):
-        seed = 1000 * (rnd + 1)  # fresh prompts each round, the same for every workload of the round
-        times = {}
-        order = list(procs.items())
-        for kind, (proc, workloads) in order if rnd % 2 == 0 else order[::-1]:  # (alternating who goes first)
-            for name in workloads:
-                tries = []
-                for attempt in range(args.best_of):  # (fresh prompts each try: no prefix-cache hits)
-                    proc.stdin.write(f"{name} {seed + attempt}\n")
-                    proc.stdin.flush()
-                    tries.append(headline._reply(proc, "TIME"))
-                times[f"{kind}:{name}"] = min(tries, key=lambda t: t["s"])
-        rounds.append(times)
-        base = times["stock:plain"]
-        print(f"round {rnd + 1}: " + ", ".join(f"{k} {v['tokens'] / v['s']:,.0f} tok/s "
-                                                f"({base['s'] / v['s'] * v['tokens'] / base['tokens']:.2f})"
-                                                for k, v in times.items()), flush=True)
+        pairs: dict[str, list[dict]] = {}
+        for i, (kind, name) in enumerate(measured):
+            for attempt in range(args.pairs):  # (fresh prompts each pair: no prefix-cache hits)
+                seed = 1000 * (rnd + 1) + 10 * i + attempt
+                base = timed(stock, "plain", seed)
+                got = timed(procs[kind][0], name, seed)
+                pairs.setdefault(f"{kind}:{name}", []).append(
+                    {"stock": base, "run": got, "ratio": (got["tokens"] / got["s"]) / (base["tokens"] / base["s"])})
+        rounds.append(pairs)
+        print(f"round {rnd + 1}: " + ", ".join(f"{k} " + "/".join(f"{p['ratio']:.2f}" for p in v)
+                                                for k, v in pairs.items()), flush=True)
     for proc, _ in procs.values():
         proc.stdin.close()
         proc.wait(timeout=120)
-    names = list(rounds[0])
 
-    def ratio(n: str, base: str) -> float:  # median over rounds of the same round's ratio
-        return statistics.median((r[n]["tokens"] / r[n]["s"]) / (r[base]["tokens"] / r[base]["s"]) for r in rounds)
+    def every(key: str) -> list[dict]:
+        return [p for r in rounds for p in r[key]]
 
-    table = {n: {"tok_s": statistics.median(r[n]["tokens"] / r[n]["s"] for r in rounds),
-                 "ratio": ratio(n, "stock:plain"),
-                 "ratio_untraced": ratio(n, "plugin:plain") if n.startswith("plugin") else None}
-             for n in names}
-    print("\n| workload (user's code) | tok/s | ratio to stock graphs | ratio to the same engine untraced |"
-          "\n|---|---:|---:|---:|")
-    for n, row in table.items():
-        own = "" if row["ratio_untraced"] is None else f"{row['ratio_untraced']:.2f}"
-        print(f"| {n} | {row['tok_s']:,.0f} | {row['ratio']:.2f} | {own} |")
+    table = {k: {"tok_s": statistics.median(p["run"]["tokens"] / p["run"]["s"] for p in every(k)),
+                 "stock_tok_s": statistics.median(p["stock"]["tokens"] / p["stock"]["s"] for p in every(k)),
+                 "ratio": statistics.median(p["ratio"] for p in every(k)),
+                 "ratio_range": [min(p["ratio"] for p in every(k)), max(p["ratio"] for p in every(k))]}
+             for k in rounds[0]}
+    print("\n| workload (user's code) | tok/s | stock beside it, tok/s | ratio to stock graphs (median of pairs) "
+          "| range |\n|---|---:|---:|---:|---:|")
+    for k, row in table.items():
+        low, high = row["ratio_range"]
+        print(f"| {k} | {row['tok_s']:,.0f} | {row['stock_tok_s']:,.0f} | {row['ratio']:.2f} | {low:.2f}-{high:.2f} |")
     with open(os.path.join(out_dir, "user_way.json"), "w") as fh:
         json.dump({"rounds": rounds, "table": table}, fh, indent=1)
 
