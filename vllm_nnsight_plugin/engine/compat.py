@@ -638,6 +638,26 @@ def pipeline_stages(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
 
 
+def last_pipeline_stage() -> bool:
+    """Whether this worker runs the model's last pipeline stage: the only one whose
+    output (logits, samples, results) reaches the scheduler. True without pipeline
+    parallel."""
+    from vllm.distributed import get_pp_group
+
+    try:
+        return bool(get_pp_group().is_last_rank)
+    except AssertionError:  # (no distributed state in this process: not a worker)
+        return True
+
+
+def absent_modules(model: Any) -> list[str]:
+    """Paths of the modules another pipeline stage holds (vLLM puts a ``PPMissingLayer``
+    where they would be)."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    return [path for path, module in model.named_modules() if isinstance(module, PPMissingLayer)]
+
+
 def tp_world() -> tuple[int, int]:
     """(tensor-parallel size, this worker's rank); (1, 0) outside a TP group."""
     try:

@@ -38,17 +38,22 @@ def touches_modules(env: dict[str, Any]) -> bool:
 # the workers (guards.table), known once a server or VLLM client asked the engine
 # (learn_module_table); until then the worker refuses such edits at admission.
 INTEGER_INPUTS: dict[str, frozenset[str]] = {}
+ABSENT: dict[str, frozenset[str]] = {}  # ...and the modules only earlier pipeline stages hold
 
 
-def learn_module_table(vllm_config: Any, table: dict[str, Any]) -> None:
-    INTEGER_INPUTS[compat.model_key(vllm_config)] = frozenset(table["integer_inputs"])
+def learn_module_table(vllm_config: Any, tables: list[dict[str, Any]]) -> None:
+    """From every worker's table (``collective_rpc``): the last one's is the last
+    pipeline stage's, the one traces run in."""
+    key = compat.model_key(vllm_config)
+    INTEGER_INPUTS[key] = frozenset(tables[-1]["integer_inputs"])
+    ABSENT[key] = frozenset(tables[-1].get("absent", ()))
 
 
 async def ensure_module_table(engine_client: Any) -> None:
     """Ask the engine for its module table once (an API server's first traced request)."""
     config = getattr(engine_client, "vllm_config", None)
     if config is not None and compat.model_key(config) not in INTEGER_INPUTS:
-        learn_module_table(config, (await engine_client.collective_rpc("nnsight_module_table"))[0])
+        learn_module_table(config, await engine_client.collective_rpc("nnsight_module_table"))
 
 
 def check_payload(raw: Any, params: Any, vllm_config: Any = None) -> dict[str, Any]:
@@ -74,11 +79,8 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
     integer_inputs = INTEGER_INPUTS.get(compat.model_key(vllm_config)) if vllm_config is not None else None
     if integer_inputs is not None:
         guards.refuse_integer_writes(env, integer_inputs)
-    if vllm_config is not None and compat.pipeline_stages(vllm_config) > 1 and touches_modules(env):
-        raise codec.PayloadError(
-            "this engine runs pipeline parallel: each stage's modules live in another process and only the "
-            "last stage's results come back, so module reads and edits are not served; model.logits and "
-            "model.samples are (use tensor_parallel_size to split a model across devices)")
+    if vllm_config is not None:
+        guards.refuse_absent(env, ABSENT.get(compat.model_key(vllm_config)))
     if vllm_config is None or compat.runs_eager(vllm_config):
         return env
     tapped = taps.from_settings(compat.additional_config(vllm_config))

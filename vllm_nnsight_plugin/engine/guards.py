@@ -62,6 +62,41 @@ def table(model: torch.nn.Module) -> dict[str, Any]:
     return {"integer_inputs": sorted({path for path, m in paths if first_input_is_integer(m)})}
 
 
+def absent_message(path: str, absent: Any) -> str:
+    """Why a module another pipeline stage holds cannot be traced (``absent``: the
+    paths this, the last, stage does not hold)."""
+    return (f"{path} is computed in an earlier pipeline stage (this engine runs pipeline parallel and "
+            f"only the last stage's results come back): traces reach the last stage's modules, "
+            f"model.logits and model.samples; the earlier stages hold {_summary(absent)}")
+
+
+def _summary(absent: Any) -> str:
+    layers = sorted((p for p in absent if p.rsplit(".", 1)[-1].isdigit()), key=lambda p: int(p.rsplit(".", 1)[1]))
+    others = sorted(p for p in absent if not p.rsplit(".", 1)[-1].isdigit())
+    parts = others + ([f"{layers[0]} to {layers[-1]}" if len(layers) > 1 else layers[0]] if layers else [])
+    return ", ".join(parts)
+
+
+def held_elsewhere(path: str, absent: Any) -> bool:
+    """Whether ``path`` is one of ``absent`` or under one."""
+    if not absent:
+        return False
+    if path in absent:
+        return True
+    parts = path.split(".")
+    return any(".".join(parts[:i]) in absent for i in range(1, len(parts)))
+
+
+def refuse_absent(env: dict[str, Any], absent: Any) -> None:
+    """Raise :class:`PayloadError` for a spec op on a module another pipeline stage holds."""
+    if env.get("kind") != "spec" or not absent:
+        return
+    for i, op in enumerate(env["ops"]):
+        for path in [op["module"]] if "module" in op else op.get("modules") or []:
+            if held_elsewhere(path, absent):
+                raise PayloadError(f"invalid spec at ops[{i}]: {absent_message(path, absent)}")
+
+
 def refuse_integer_writes(env: dict[str, Any], integer_inputs: Any) -> None:
     """Raise :class:`PayloadError` for a spec op that writes a module input the table
     names as an index tensor."""

@@ -51,6 +51,9 @@ class Interleaver:
         # code blocks are recorded into plans
         self.lowerings = lower.Lowerings(model, compat.model_dtype(vllm_config), self.watchdog.limit_s)
         self.splits = shards.Splits(model)  # tensor parallel: which locations are split across ranks
+        # pipeline parallel (this is the last stage): the modules earlier stages hold
+        self.absent = frozenset(compat.absent_modules(model)) if compat.pipeline_stages(vllm_config) > 1 \
+            else frozenset()
         self.batched = batched.BatchedEdits(self)
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
         self.finite = isolation.FiniteLogits()
@@ -543,6 +546,8 @@ class Interleaver:
         return self.current
 
     def check_module_access(self, path: str, kind: str = "output") -> None:
+        if self.absent and guards.held_elsewhere(path, self.absent):
+            raise InterventionFailure(guards.absent_message(path, self.absent))
         if self.eager or (path, kind) in self.tapped:
             return
         if self.tapped or self.taps:

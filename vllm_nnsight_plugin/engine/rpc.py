@@ -18,10 +18,12 @@ def nnsight_module_tree(self: Any) -> list[list[str]]:
 
 def nnsight_module_table(self: Any) -> dict[str, Any]:
     """What the front end checks specs against before they reach the engine (see
-    :func:`.guards.table`)."""
+    :func:`.guards.table`), and the modules other pipeline stages hold."""
+    from . import compat
     from .guards import table
 
-    return table(self.model_runner.get_model())
+    model = self.model_runner.get_model()
+    return {**table(model), "absent": compat.absent_modules(model)}
 
 
 def nnsight_probe(self: Any) -> dict[str, Any]:
@@ -72,7 +74,9 @@ def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str
     """Install an engine-wide edit (between steps: RPCs never run during a forward)."""
     from .runner_v1 import interleaver_of
 
-    interleaver_of(self.model_runner, create=True).install_edit(edit_id, name, payload)
+    inter = interleaver_of(self.model_runner, create=True)
+    if inter is not None:  # (None: an earlier pipeline stage, which traces nothing)
+        inter.install_edit(edit_id, name, payload)
     return True
 
 

@@ -26,11 +26,14 @@ logger = logging.getLogger("vllm.nnsight_plugin")
 
 _ATTR = "_nnsight_interleaver"
 _SO = "_nnsight_scheduler_output"
+_LAST_STAGE = "_nnsight_last_stage"
 
 
 def interleaver_of(runner: Any, create: bool = False) -> Interleaver | None:
+    """The runner's interleaver (made on first need). None in an earlier pipeline
+    stage: only the last stage's results reach the scheduler, so it alone traces."""
     inter = runner.__dict__.get(_ATTR)
-    if inter is None and create:
+    if inter is None and create and runner.__dict__.setdefault(_LAST_STAGE, compat.last_pipeline_stage()):
         model = compat.runner_model(runner)
         inter = Interleaver(model, runner.vllm_config, runner.__dict__.get(taps.SITES, ()))
         _wrap_compute_logits(model, inter)

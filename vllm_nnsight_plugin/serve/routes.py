@@ -38,7 +38,7 @@ def add_routes(app: Any) -> None:
         compiled = config is not None and not compat.runs_eager(config)
         taps = from_settings(compat.additional_config(config)).patterns if compiled else None
         # "taps": null on an eager engine (every module reachable), else the tapped globs
-        return JSONResponse({"tree": trees[0], "taps": taps})
+        return JSONResponse({"tree": trees[-1], "taps": taps})  # (the last pipeline stage's)
 
     @app.get("/v1/nnsight/schema")
     async def nnsight_schema() -> JSONResponse:
