@@ -89,13 +89,17 @@ def test_a_lowered_steering_block_applies_to_every_chunk_of_a_split_prompt(gpt2,
     long = " ".join(["One two three four five six seven eight nine ten."] * 12)
     v = torch.linspace(-1, 1, 128)
     with gpt2.trace(long, temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+        logits = gpt2.logits.save()  # (a read of the logits only: the block still runs batched)
         for _ in tracer.all():
             gpt2.transformer.h[1].output[:] += v
     out = tracer.outputs[0]
+    assert out.ran_as == "batched", out.ran_as
     ids = list(out.prompt_token_ids)
     assert len(ids) > 64  # split: the engine's token budget is 64
     ref = HFRun(hf_gpt2, ids).edit(hf_gpt2.transformer.h[1], lambda h: h + v).logits()[-1]
-    assert out.outputs[0].token_ids[0] == int(ref.argmax())
+    assert_close(logits, ref)  # every chunk's rows were steered: the last row's logits say so
+    clean = HFRun(hf_gpt2, ids).logits()[-1]
+    assert (ref - clean).abs().max() > 1e-2  # (without the steering this test fails)
     with pytest.raises(InterventionError, match="chunked prefill"):
         with gpt2.trace(long, temperature=0.0, max_tokens=2, extra_args={"nnsight_lower": False}) as tracer:
             for _ in tracer.all():

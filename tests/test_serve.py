@@ -485,7 +485,6 @@ def test_operator_limits_on_saved_values(spec_server):
         assert status == 200, body
         err = body["kv_transfer_params"]["nnsight"]["error"]
         assert err is not None and "over this server's limits" in err["message"], body["kv_transfer_params"]
-        assert len(body["choices"][0]["text"]) >= 0
     assert spec_server.health() == 200
 
 

@@ -66,7 +66,7 @@ def sampling_kwargs(trace_kw: dict[str, Any], invoke_kw: dict[str, Any], default
     if default_max is not None:
         merged.setdefault("max_tokens", default_max)
     if "edits" in merged:
-        from ..engine.compat import EDITS_KEY
+        from ..payload.codec import EDITS_KEY
 
         extra = dict(merged.get("extra_args") or {})
         extra[EDITS_KEY] = list(merged.pop("edits"))
@@ -309,7 +309,7 @@ class VLLM(Envoy):
     def _submit_async(self, invokes: list[Invoke], trace_sampling: dict[str, Any], stream_saves: bool) -> Any:
         from vllm import SamplingParams
 
-        from ..engine.compat import STREAM_KEY
+        from ..payload.codec import STREAM_KEY
         from .async_backend import AsyncBackend
 
         if len(invokes) != 1:

@@ -435,12 +435,9 @@ def stop_request(request: Any, reason: str) -> None:
     request.stop_reason = reason
 
 
-STREAM_KEY = "nnsight_stream"  # extra_args flag: deliver saves with every step's output
-EDITS_KEY = "nnsight_edits"  # extra_args: names of the installed edits a request selects
-LOWER_KEY = "nnsight_lower"  # extra_args: False runs the request's blocks as code (engine/lower.py)
-
-
 def streams_saves(request: Any) -> bool:
+    from ..payload.codec import STREAM_KEY
+
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None) or {}
     return bool(extra.get(STREAM_KEY))
@@ -635,7 +632,7 @@ def additional_config(vllm_config: Any) -> dict:
 
 
 def pipeline_stages(vllm_config: Any) -> int:
-    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
 
 
 def last_pipeline_stage() -> bool:

@@ -126,7 +126,7 @@ def _process_inputs(original: Callable) -> Callable:
         raw = extra.get(codec.PAYLOAD_KEY) if extra else None
         env = check_payload(raw, params, getattr(self, "vllm_config", None)) if raw is not None else None
         if edits.INSTALLED:
-            edits.check_selection((extra or {}).get(compat.EDITS_KEY))
+            edits.check_selection((extra or {}).get(codec.EDITS_KEY))
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None or edits.INSTALLED:
             compat.salt_request(request, cache_salt(raw, env))

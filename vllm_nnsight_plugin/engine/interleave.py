@@ -18,7 +18,6 @@ import torch
 
 from ..payload import codec
 from . import batched, budget, cache, compat, guards, host, isolation, lanes, lower, shards, taps
-from .compat import EDITS_KEY
 from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
 from .rows import StepLayout, _per_token, assign_into, narrow
@@ -101,11 +100,11 @@ class Interleaver:
             return
         extra = extra_args or {}
         # a block whose saves stream per step binds its names as it runs: never lowered
-        kept_code = "nnsight_lower is off" if not lower.wanted(extra.get(compat.LOWER_KEY, True)) else \
-            "its saves stream per step" if extra.get(compat.STREAM_KEY) else None  # why blocks stay code
+        kept_code = "nnsight_lower is off" if not lower.wanted(extra.get(codec.LOWER_KEY, True)) else \
+            "its saves stream per step" if extra.get(codec.STREAM_KEY) else None  # why blocks stay code
         blocks: list[RequestSession] = []
         max_tokens = getattr(params, "max_tokens", None)  # (plans' step ranges are read against it)
-        for eid, (name, env) in self._selected_edits(extra.get(EDITS_KEY)):
+        for eid, (name, env) in self._selected_edits(extra.get(codec.EDITS_KEY)):
             blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
                                         batchable=all(b.batched for b in blocks), kept_code=kept_code,
                                         max_tokens=max_tokens))
@@ -124,7 +123,7 @@ class Interleaver:
             if any(b.batched_reads or not b.batched for b in blocks):
                 self.stepwise.add(req_id)
             self.params[req_id] = params
-            if extra.get(compat.STREAM_KEY) or getattr(params, "stop", None) or params is None:
+            if extra.get(codec.STREAM_KEY) or getattr(params, "stop", None) or params is None:
                 self.report_every_step.add(req_id)
             if any(b.error for b in blocks):
                 self._record(req_id)

@@ -36,7 +36,11 @@ import torch
 
 from . import values as tagged
 
-PAYLOAD_KEY = "nnsight"
+# the keys a request carries in SamplingParams.extra_args (vllm_xargs over HTTP)
+PAYLOAD_KEY = "nnsight"  # the intervention: a code block or a JSON spec
+STREAM_KEY = "nnsight_stream"  # flag: deliver saves with every step's output
+EDITS_KEY = "nnsight_edits"  # names of the installed edits a request selects
+LOWER_KEY = "nnsight_lower"  # False runs the request's blocks as code (engine/lower.py)
 VERSION = 1
 DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 # JSON values one payload may hold: parsing holds the interpreter for about 0.1 us a value

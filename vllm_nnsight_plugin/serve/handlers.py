@@ -37,7 +37,7 @@ def _reject(serving: Any, request: Any, raw: Any) -> Any:
     from ..engine import edits
 
     try:
-        names = (getattr(request, "vllm_xargs", None) or {}).get(compat.EDITS_KEY)
+        names = (getattr(request, "vllm_xargs", None) or {}).get(codec.EDITS_KEY)
         if names is not None:
             edits.check_selection(names)
         if raw is None:
@@ -95,13 +95,13 @@ async def _inject(chunks: AsyncIterator[str], results: dict[int, Any], prompt_of
 
 def _every_step(request: Any) -> bool:
     xargs = getattr(request, "vllm_xargs", None) or {}
-    return bool(xargs.get(compat.STREAM_KEY))
+    return bool(xargs.get(codec.STREAM_KEY))
 
 
 def _create(original: Callable) -> Callable:
     async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         raw = _payload(request)
-        if raw is not None or compat.EDITS_KEY in (getattr(request, "vllm_xargs", None) or {}):
+        if raw is not None or codec.EDITS_KEY in (getattr(request, "vllm_xargs", None) or {}):
             if raw is not None:
                 await ensure_module_table(getattr(self, "engine_client", None))
             if isinstance(raw, str) and len(raw) > LARGE_PAYLOAD:  # a thread: the event loop may run
