@@ -8,7 +8,7 @@ import types
 
 from vllm.config import CUDAGraphMode
 
-from vllm_nnsight_plugin.engine import compat, runner_v2
+from vllm_nnsight_plugin.boundary import runner_v2, runners
 
 
 class _Dispatcher:
@@ -22,8 +22,8 @@ class _Dispatcher:
 def test_v1_guard_excludes_full_graphs_only_while_asked():
     runner = types.SimpleNamespace(cudagraph_dispatcher=_Dispatcher())
     wanted = {"mode": None}
-    compat.guard_v1_dispatcher(runner, lambda: wanted["mode"])
-    compat.guard_v1_dispatcher(runner, lambda: wanted["mode"])  # re-entrant
+    runners.guard_v1_dispatcher(runner, lambda: wanted["mode"])
+    runners.guard_v1_dispatcher(runner, lambda: wanted["mode"])  # re-entrant
     dispatch = runner.cudagraph_dispatcher.dispatch
     assert dispatch(8, uniform_decode=True, valid_modes=None, invalid_modes=None) == (None, None)
     wanted["mode"] = "piecewise"

@@ -104,7 +104,7 @@ def test_front_end_refuses_module_edits_on_a_compiled_engine(configs):
     """The check the server turns into HTTP 400 (and LLM.generate into ValueError)."""
     import json
 
-    from vllm_nnsight_plugin.engine.frontend import check_payload
+    from vllm_nnsight_plugin.boundary.frontend import check_payload
     from vllm_nnsight_plugin.payload.codec import PayloadError
 
     class Params:
@@ -169,7 +169,7 @@ def test_finish_prediction_reads_the_token_only_when_a_stop_token_can_end_the_re
     device-to-host wait every step (async scheduling lost)."""
     from vllm import SamplingParams
 
-    from vllm_nnsight_plugin.engine.compat import _stops
+    from vllm_nnsight_plugin.boundary.runners import _stops
 
     def never() -> int:
         raise AssertionError("the sampled token was read")
@@ -196,7 +196,7 @@ def test_the_cheap_finish_precheck_never_misses_a_stop():
 
     from vllm import SamplingParams
 
-    from vllm_nnsight_plugin.engine.compat import _stops, may_stop
+    from vllm_nnsight_plugin.boundary.runners import _stops, may_stop
 
     def variants():
         for ignore, stops, min_tokens in itertools.product((True, False), ([], [9]), (0, 5)):

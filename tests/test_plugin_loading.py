@@ -14,7 +14,7 @@ import json, sys
 import vllm.plugins
 vllm.plugins.load_general_plugins()
 vllm.plugins.load_general_plugins()  # vLLM may call it again: register() is re-entrant
-from vllm_nnsight_plugin.engine import compat
+from vllm_nnsight_plugin.boundary import patching
 finder = any(type(f).__name__ == "_PostImportFinder" for f in sys.meta_path)
 heavy_before = "vllm.v1.worker.gpu_model_runner" in sys.modules
 import vllm.v1.worker.gpu_model_runner as runner
@@ -23,11 +23,11 @@ import vllm.v1.engine.input_processor as inp
 print(json.dumps({
     "heavy_imported_by_plugin": heavy_before,
     "finder": finder,
-    "runner": compat.is_patched(runner.GPUModelRunner, "execute_model"),
-    "scheduler": compat.is_patched(sched.Scheduler, "update_from_output"),
-    "frontend": compat.is_patched(inp.InputProcessor, "process_inputs"),
+    "runner": patching.is_patched(runner.GPUModelRunner, "execute_model"),
+    "scheduler": patching.is_patched(sched.Scheduler, "update_from_output"),
+    "frontend": patching.is_patched(inp.InputProcessor, "process_inputs"),
     "double_wrapped": hasattr(runner.GPUModelRunner.execute_model.__nnsight_original__, "__nnsight_wrapped__")
-        if compat.is_patched(runner.GPUModelRunner, "execute_model") else False,
+        if patching.is_patched(runner.GPUModelRunner, "execute_model") else False,
 }))
 """
 

@@ -18,7 +18,7 @@ import torch
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, results
-from vllm_nnsight_plugin.engine import frontend
+from vllm_nnsight_plugin.boundary import frontend
 from vllm_nnsight_plugin.payload import codec, spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -16,6 +16,6 @@ def register() -> None:
     """Install the plugin in this process, unless ``VLLM_NNSIGHT_DISABLE=1``."""
     if os.environ.get(DISABLE_ENV) == "1":
         return
-    from .engine import install
+    from .boundary.install import install
 
     install()

@@ -90,19 +90,19 @@ _PHASES = [  # (module, class, method): each timed on its own (nested calls coun
     ("vllm_nnsight_plugin.engine.batched", "BatchedEdits", "fill_lanes"),
     ("vllm_nnsight_plugin.engine.batched", "BatchedEdits", "finish_lanes"),
     ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "between_steps"),
-    ("vllm_nnsight_plugin.engine.compat", None, "v2_batch"),  # module functions: None
-    ("vllm_nnsight_plugin.engine.compat", None, "v2_will_finish"),
-    ("vllm_nnsight_plugin.engine.runner_v2", None, "close_step"),
-    ("vllm_nnsight_plugin.engine.runner_v2", None, "admit_step"),
+    ("vllm_nnsight_plugin.boundary.runners", None, "v2_batch"),  # module functions: None
+    ("vllm_nnsight_plugin.boundary.runners", None, "v2_will_finish"),
+    ("vllm_nnsight_plugin.boundary.runner_v2", None, "close_step"),
+    ("vllm_nnsight_plugin.boundary.runner_v2", None, "admit_step"),
     ("vllm_nnsight_plugin.engine.taps", None, "step_graph_mode"),
     ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "guard_logits"),
     ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "admit"),
     ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "needs_python"),
     ("vllm_nnsight_plugin.engine.lanes", "PartLane", "set_table"),
     ("vllm_nnsight_plugin.engine.lanes", "PartLane", "done"),
-    ("vllm_nnsight_plugin.engine.isolation", "FiniteLogits", "check"),
-    ("vllm_nnsight_plugin.engine.isolation", "FiniteLogits", "collect"),
-    ("vllm_nnsight_plugin.engine.isolation", None, "zero_reused_blocks"),
+    ("vllm_nnsight_plugin.engine.finite_logits", "FiniteLogits", "check"),
+    ("vllm_nnsight_plugin.engine.finite_logits", "FiniteLogits", "collect"),
+    ("vllm_nnsight_plugin.boundary.kv_blocks", None, "zero_reused_blocks"),
     ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs"),
 ]
 

@@ -115,7 +115,7 @@ class VLLM(Envoy):
         else vLLM's model class built on the meta device from the config (no weights,
         no GPU; needs a vLLM install). None if it cannot be built here."""
         if self._tree is None and not self.__dict__.get("_meta_failed"):
-            from .meta import meta_tree
+            from ..boundary.meta_tree import meta_tree
 
             kwargs = {k: v for k, v in self.llm_kwargs.items() if k in ("dtype", "trust_remote_code",
                                                                           "revision", "hf_overrides")}
@@ -143,7 +143,7 @@ class VLLM(Envoy):
         """Start the engine (once) and learn the module tree it loaded."""
         if self._llm is None:
             if self.mode == "async":
-                from ..engine.compat import make_async_engine
+                from ..boundary.entrypoints import make_async_engine
 
                 object.__setattr__(self, "_llm", make_async_engine(self.model_path, self.llm_kwargs))
                 # at interpreter exit, before modules are torn down (AsyncLLM.__del__ then fails)
@@ -161,8 +161,8 @@ class VLLM(Envoy):
                     f"(is VLLM_NNSIGHT_DISABLE=1 set, or VLLM_PLUGINS excluding 'nnsight'?): {exc}"
                 ) from None
             object.__setattr__(self, "_tree", {path: cls for path, cls in tree})
-            from ..engine.compat import llm_config
-            from ..engine.frontend import learn_module_table  # specs are checked against it up front
+            from ..boundary.configuration import llm_config
+            from ..boundary.frontend import learn_module_table  # specs are checked against it up front
 
             learn_module_table(llm_config(llm), llm.collective_rpc("nnsight_module_table"))
         return self
@@ -170,7 +170,7 @@ class VLLM(Envoy):
     def shutdown(self) -> None:
         """Stop the engine (a later trace starts a new one)."""
         if self._llm is not None:
-            from ..engine.compat import shutdown_llm
+            from ..boundary.entrypoints import shutdown_llm
 
             shutdown_llm(self._llm)
             object.__setattr__(self, "_llm", None)
@@ -178,14 +178,14 @@ class VLLM(Envoy):
     def engine_stats(self) -> dict[str, Any]:
         """What the engine holds for traced requests (scheduler and each worker);
         all zero when none are in flight. Sync engines only (see :meth:`aengine_stats`)."""
-        from ..engine.compat import engine_utility
+        from ..boundary.entrypoints import engine_utility
 
         if self.mode == "async":
             raise RuntimeError("on an async engine use: await model.aengine_stats()")
         return engine_utility(self._engine(), "nnsight_stats")
 
     async def aengine_stats(self) -> dict[str, Any]:
-        from ..engine.compat import engine_utility_async
+        from ..boundary.entrypoints import engine_utility_async
 
         return await engine_utility_async(self._engine(), "nnsight_stats")
 

@@ -175,7 +175,8 @@ def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
     """Expands a cache op against the interleaver's model: every module it serves, or
     the op's ``modules`` (each checked: known, on one path, served). Memoized per op
     text, so requests caching alike share their reads (the interleaver keeps one)."""
-    from . import compat, lower
+    from ..boundary import runners
+    from . import lower
 
     memo: dict[str, Expansion] = {}
 
@@ -197,7 +198,7 @@ def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
         kept = ios(op)
         shared = inter.lowerings.shared()
         if op.get("modules") is None:
-            paths = default_paths(inter.model, shared, compat.OUTSIDE_FORWARD, served, kept)
+            paths = default_paths(inter.model, shared, runners.OUTSIDE_FORWARD, served, kept)
         else:
             paths = []
             for raw in op["modules"]:

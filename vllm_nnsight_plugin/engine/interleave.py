@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from ..boundary import configuration, parallel
 from ..payload import codec
-from . import batched, budget, cache, compat, guards, host, isolation, lanes, lower, shards, taps
+from . import batched, budget, cache, finite_logits, guards, host, lanes, lower, shards, taps
 from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
 from .rows import StepLayout, _per_token, assign_into, narrow
@@ -33,8 +34,8 @@ class Interleaver:
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, tap_sites: Any = ()):
         self.model = model
-        self.eager = compat.runs_eager(vllm_config)
-        settings = compat.additional_config(vllm_config)
+        self.eager = configuration.runs_eager(vllm_config)
+        settings = configuration.additional_config(vllm_config)
         self.limits = limits(settings)
         self.watchdog = budget.Watchdog(budget.time_limit(settings))
         self.trimmer = budget.Trimmer()
@@ -48,14 +49,14 @@ class Interleaver:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
         # code blocks are recorded into plans
-        self.lowerings = lower.Lowerings(model, compat.model_dtype(vllm_config), self.watchdog.limit_s)
+        self.lowerings = lower.Lowerings(model, configuration.model_dtype(vllm_config), self.watchdog.limit_s)
         self.splits = shards.Splits(model)  # tensor parallel: which locations are split across ranks
         # pipeline parallel (this is the last stage): the modules earlier stages hold
-        self.absent = frozenset(compat.absent_modules(model)) if compat.pipeline_stages(vllm_config) > 1 \
+        self.absent = frozenset(parallel.absent_modules(model)) if parallel.pipeline_stages(vllm_config) > 1 \
             else frozenset()
         self.batched = batched.BatchedEdits(self)
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
-        self.finite = isolation.FiniteLogits()
+        self.finite = finite_logits.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
         self._guard_memo: list | None = None  # [epoch, rows, traced ids, their rows' index, steps to a last step]
         self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
@@ -724,7 +725,7 @@ class Interleaver:
 
     def guard_logits(self, logits: torch.Tensor) -> None:
         """Logits rows of traced requests that may edit made finite before sampling; a
-        request whose rows were not fails (see :mod:`.isolation`). Requests that only
+        request whose rows were not fails (see :mod:`.finite_logits`). Requests that only
         read are not checked: they change no activation. On a GPU the check is read when
         the device has got there, or at once in a request's last step by ``max_tokens``.
         The checked rows' index is kept while the batch's rows and requests stay the

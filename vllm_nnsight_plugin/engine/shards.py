@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import compat
+from ..boundary import parallel
 
 Split = tuple[str, "tuple[int, ...] | str"]
 
@@ -35,7 +35,7 @@ def _sizes(segments: tuple[int, ...] | str, local: int) -> tuple[int, ...]:
 
 
 def _whole_sharded(x: torch.Tensor, sizes: tuple[int, ...], ranks: int) -> torch.Tensor:
-    gathered = compat.tp_all_gather(x)  # [..., rank 0's segments, rank 1's, ...]
+    gathered = parallel.tp_all_gather(x)  # [..., rank 0's segments, rank 1's, ...]
     per_rank = gathered.split(x.shape[-1], dim=-1)
     parts, offset = [], 0
     for size in sizes:
@@ -69,7 +69,7 @@ def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False
         return value, lambda: None
     kind, segments = split
     if kind == "partial":
-        whole = compat.tp_all_reduce(x)
+        whole = parallel.tp_all_reduce(x)
         before = whole.clone()
     else:
         sizes = _sizes(segments, x.shape[-1])
@@ -90,7 +90,7 @@ class Splits:
     """Each location's split, looked up once per module."""
 
     def __init__(self, model: torch.nn.Module):
-        self.ranks, self.rank = compat.tp_world()
+        self.ranks, self.rank = parallel.tp_world()
         self._modules = {id(m): m for m in model.modules()} if self.ranks > 1 else {}
         self._known: dict[tuple, Split | None] = {}
 
@@ -103,7 +103,7 @@ class Splits:
             module = self._modules.get(key[0]) if len(key) == 2 else None
             io = "input" if key[-1] in ("input", "inputs") else "output"
             try:
-                found = compat.shard_of(module, io) if module is not None else None
+                found = parallel.shard_of(module, io) if module is not None else None
             except NotImplementedError as exc:
                 found = ("refused", str(exc))
             self._known[key] = found

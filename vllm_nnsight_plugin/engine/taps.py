@@ -136,23 +136,23 @@ def _input_hook(path: str) -> Callable:
 def on_model_loaded(runner: Any) -> None:
     """Runner ``load_model`` epilogue: on a compiled engine with taps declared, put
     the tap op into the model and make vLLM split its graph there."""
-    from . import compat
+    from ..boundary import configuration, runners
 
     log = logging.getLogger("vllm.nnsight_plugin")
     config = runner.vllm_config
-    tapset = from_settings(compat.additional_config(config))
-    if not tapset or compat.runs_eager(config):
+    tapset = from_settings(configuration.additional_config(config))
+    if not tapset or configuration.runs_eager(config):
         return
-    model = compat.runner_model(runner)
-    split = compat.add_splitting_op(config, OP_NAME)
+    model = runners.runner_model(runner)
+    split = configuration.add_splitting_op(config, OP_NAME)
     if not split:
         log.warning("taps: this engine compiles the model as one graph (no split points); "
                     "tapped steps run without CUDA graphs")
     # how a step whose blocks may touch a tap must run: piecewise graphs (the op runs
     # between pieces) where the graph is split at it, else without graphs
     runner.__dict__["_nnsight_tap_mode"] = "piecewise" if split else "eager"
-    if compat.additional_config(config).get("lanes", True):
-        lanes.enable(compat.max_graph_batch(config))
+    if configuration.additional_config(config).get("lanes", True):
+        lanes.enable(configuration.max_graph_batch(config))
     sites = install(model, tapset)
     if not sites:
         log.error("taps %s match no module of %s", tapset.describe(), type(model).__name__)

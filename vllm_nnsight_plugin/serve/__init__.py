@@ -4,11 +4,11 @@ from __future__ import annotations
 
 
 def install() -> None:
-    from ..engine import compat
+    from ..boundary import patching
     from . import handlers, routes
 
-    compat.when_class(compat.SERVING_COMPLETION, handlers.install_completion)
-    compat.when_class(compat.SERVING_CHAT, handlers.install_chat)
-    compat.when_class(compat.OUTPUT_PROCESSOR, handlers.install_output_processor)
-    for module_name, _ in compat.APP_ROUTE_HOOKS:
-        compat.when_imported(module_name, routes.install)
+    patching.when_class(patching.SERVING_COMPLETION, handlers.install_completion)
+    patching.when_class(patching.SERVING_CHAT, handlers.install_chat)
+    patching.when_class(patching.OUTPUT_PROCESSOR, handlers.install_output_processor)
+    for module_name, _ in patching.APP_ROUTE_HOOKS:
+        patching.when_imported(module_name, routes.install)

@@ -18,8 +18,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..engine import compat
-from ..engine.frontend import check_payload, ensure_module_table
+from ..boundary import engine_core, entrypoints, patching
+from ..boundary.frontend import check_payload, ensure_module_table
 from ..payload import codec
 from ..payload import values as tagged
 from ..payload.codec import LARGE_PAYLOAD
@@ -46,7 +46,7 @@ def _reject(serving: Any, request: Any, raw: Any) -> Any:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) > 1:
                 raise codec.PayloadError("a traced completion takes one prompt: send one request per prompt")
-        check_payload(raw, request, compat.serving_vllm_config(serving))
+        check_payload(raw, request, entrypoints.serving_vllm_config(serving))
     except codec.PayloadError as exc:
         return serving.create_error_response(str(exc))
     except Exception as exc:  # noqa: BLE001 - any other failure to check a payload is still the payload's
@@ -139,26 +139,26 @@ def _chat_stream(original: Callable) -> Callable:
 
 
 def install_completion(cls: type) -> None:
-    compat.patch_method(cls, "create_completion", _create)
-    compat.patch_method(cls, "completion_stream_generator", _completion_stream)
+    patching.patch_method(cls, "create_completion", _create)
+    patching.patch_method(cls, "completion_stream_generator", _completion_stream)
 
 
 def install_chat(cls: type) -> None:
-    compat.patch_method(cls, "create_chat_completion", _create)
-    compat.patch_method(cls, "chat_completion_stream_generator", _chat_stream)
+    patching.patch_method(cls, "create_chat_completion", _create)
+    patching.patch_method(cls, "chat_completion_stream_generator", _chat_stream)
 
 
 def _json_results(original: Callable) -> Callable:
     def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if compat.serving_http():
+        if entrypoints.serving_http():
             for eco in engine_core_outputs:
                 params = eco.kv_transfer_params
                 if params and codec.PAYLOAD_KEY in params:
-                    compat.stamp(eco, codec.PAYLOAD_KEY, tagged.to_json(params[codec.PAYLOAD_KEY]))
+                    engine_core.stamp(eco, codec.PAYLOAD_KEY, tagged.to_json(params[codec.PAYLOAD_KEY]))
         return original(self, engine_core_outputs, *args, **kwargs)
 
     return process_outputs
 
 
 def install_output_processor(cls: type) -> None:
-    compat.patch_method(cls, "process_outputs", _json_results)
+    patching.patch_method(cls, "process_outputs", _json_results)

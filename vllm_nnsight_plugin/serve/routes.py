@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..engine import compat
+from ..boundary import configuration, patching
 from ..payload.codec import LARGE_PAYLOAD
 from ..payload.tapset import from_settings
 
@@ -35,8 +35,8 @@ def add_routes(app: Any) -> None:
         engine = raw_request.app.state.engine_client
         trees = await engine.collective_rpc("nnsight_module_tree")
         config = getattr(engine, "vllm_config", None)
-        compiled = config is not None and not compat.runs_eager(config)
-        taps = from_settings(compat.additional_config(config)).patterns if compiled else None
+        compiled = config is not None and not configuration.runs_eager(config)
+        taps = from_settings(configuration.additional_config(config)).patterns if compiled else None
         # "taps": null on an eager engine (every module reachable), else the tapped globs
         return JSONResponse({"tree": trees[-1], "taps": taps})  # (the last pipeline stage's)
 
@@ -51,8 +51,8 @@ def add_routes(app: Any) -> None:
         """Install an engine-wide edit: ``{"payload": "<code or spec payload>", "name": null}``."""
         import uuid
 
+        from ..boundary.frontend import check_payload, ensure_module_table
         from ..engine import edits
-        from ..engine.frontend import check_payload, ensure_module_table
         from ..payload import codec
 
         try:
@@ -122,6 +122,6 @@ def _attach(original: Callable) -> Callable:
 
 
 def install(app_module: Any) -> None:
-    for module_name, function in compat.APP_ROUTE_HOOKS:
-        if compat.module_name_of(app_module) == module_name and hasattr(app_module, function):
-            compat.wrap_module_function(app_module, function, _attach)
+    for module_name, function in patching.APP_ROUTE_HOOKS:
+        if patching.module_name_of(app_module) == module_name and hasattr(app_module, function):
+            patching.wrap_module_function(app_module, function, _attach)

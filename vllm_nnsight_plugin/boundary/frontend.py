@@ -17,8 +17,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..engine import batched, edits, guards, taps
 from ..payload import codec
-from . import batched, compat, edits, guards, taps
+from . import configuration, entrypoints, patching
 from .whole_prompts import SALT_PREFIX, SHARED_SPEC_SALT
 
 logger = logging.getLogger("vllm.nnsight_plugin")
@@ -44,7 +45,7 @@ ABSENT: dict[str, frozenset[str]] = {}  # ...and the modules only earlier pipeli
 def learn_module_table(vllm_config: Any, tables: list[dict[str, Any]]) -> None:
     """From every worker's table (``collective_rpc``): the last one's is the last
     pipeline stage's, the one traces run in."""
-    key = compat.model_key(vllm_config)
+    key = configuration.model_key(vllm_config)
     INTEGER_INPUTS[key] = frozenset(tables[-1]["integer_inputs"])
     ABSENT[key] = frozenset(tables[-1].get("absent", ()))
 
@@ -52,14 +53,14 @@ def learn_module_table(vllm_config: Any, tables: list[dict[str, Any]]) -> None:
 async def ensure_module_table(engine_client: Any) -> None:
     """Ask the engine for its module table once (an API server's first traced request)."""
     config = getattr(engine_client, "vllm_config", None)
-    if config is not None and compat.model_key(config) not in INTEGER_INPUTS:
+    if config is not None and configuration.model_key(config) not in INTEGER_INPUTS:
         learn_module_table(config, await engine_client.collective_rpc("nnsight_module_table"))
 
 
 def check_payload(raw: Any, params: Any, vllm_config: Any = None) -> dict[str, Any]:
     """Validate one payload; raise :class:`codec.PayloadError` with the reason (and log
     the refusal, never the payload)."""
-    origin = "http" if compat.serving_http() else "python"
+    origin = "http" if entrypoints.serving_http() else "python"
     try:
         return _check_payload(raw, params, vllm_config, origin)
     except codec.PayloadError as exc:
@@ -70,20 +71,20 @@ def check_payload(raw: Any, params: Any, vllm_config: Any = None) -> dict[str, A
 def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict[str, Any]:
     from ..hooks import refusal
 
-    env = codec.parse_envelope(raw, compat.model_width(vllm_config) if vllm_config is not None else None)
-    reason = refusal(env["kind"], origin, compat.additional_config(vllm_config))
+    env = codec.parse_envelope(raw, configuration.model_width(vllm_config) if vllm_config is not None else None)
+    reason = refusal(env["kind"], origin, configuration.additional_config(vllm_config))
     if reason:
         raise codec.PayloadError(reason)
     if getattr(params, "n", 1) != 1:
         raise codec.PayloadError("traced requests take n=1: run one invoke per sample instead of n>1")
-    integer_inputs = INTEGER_INPUTS.get(compat.model_key(vllm_config)) if vllm_config is not None else None
+    integer_inputs = INTEGER_INPUTS.get(configuration.model_key(vllm_config)) if vllm_config is not None else None
     if integer_inputs is not None:
         guards.refuse_integer_writes(env, integer_inputs)
     if vllm_config is not None:
-        guards.refuse_absent(env, ABSENT.get(compat.model_key(vllm_config)))
-    if vllm_config is None or compat.runs_eager(vllm_config):
+        guards.refuse_absent(env, ABSENT.get(configuration.model_key(vllm_config)))
+    if vllm_config is None or configuration.runs_eager(vllm_config):
         return env
-    tapped = taps.from_settings(compat.additional_config(vllm_config))
+    tapped = taps.from_settings(configuration.additional_config(vllm_config))
     if tapped and env["kind"] == "spec":
         for op in env["ops"]:
             io = op.get("io", "output")
@@ -122,18 +123,18 @@ def _spec_salt(raw: str | bytes) -> str:
 
 def _process_inputs(original: Callable) -> Callable:
     def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        extra = compat.sampling_extra_args(params)
+        extra = entrypoints.sampling_extra_args(params)
         raw = extra.get(codec.PAYLOAD_KEY) if extra else None
         env = check_payload(raw, params, getattr(self, "vllm_config", None)) if raw is not None else None
         if edits.INSTALLED:
             edits.check_selection((extra or {}).get(codec.EDITS_KEY))
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None or edits.INSTALLED:
-            compat.salt_request(request, cache_salt(raw, env))
+            entrypoints.salt_request(request, cache_salt(raw, env))
         return request
 
     return process_inputs
 
 
 def install(input_processor_cls: type) -> None:
-    compat.patch_method(input_processor_cls, "process_inputs", _process_inputs)
+    patching.patch_method(input_processor_cls, "process_inputs", _process_inputs)

@@ -17,10 +17,11 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..engine import lanes, taps
+from ..engine.interleave import Interleaver
+from ..engine.rows import StepLayout
 from ..payload import codec
-from . import compat, isolation, lanes, taps
-from .interleave import Interleaver
-from .rows import StepLayout
+from . import kv_blocks, parallel, patching, runners
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 
@@ -33,8 +34,8 @@ def interleaver_of(runner: Any, create: bool = False) -> Interleaver | None:
     """The runner's interleaver (made on first need). None in an earlier pipeline
     stage: only the last stage's results reach the scheduler, so it alone traces."""
     inter = runner.__dict__.get(_ATTR)
-    if inter is None and create and runner.__dict__.setdefault(_LAST_STAGE, compat.last_pipeline_stage()):
-        model = compat.runner_model(runner)
+    if inter is None and create and runner.__dict__.setdefault(_LAST_STAGE, parallel.last_pipeline_stage()):
+        model = runners.runner_model(runner)
         inter = Interleaver(model, runner.vllm_config, runner.__dict__.get(taps.SITES, ()))
         _wrap_compute_logits(model, inter)
         runner.__dict__[_ATTR] = inter
@@ -64,12 +65,12 @@ def admit_step(runner: Any, scheduler_output: Any, recomputed: Iterable[str]) ->
     ``recomputed`` ones whose state cannot be replayed, admit new traced requests
     (every new request while engine-wide edits are installed). The interleaver when
     the step has traced work, else None (the step runs untouched)."""
-    new = compat.new_requests_with_params(scheduler_output)
+    new = runners.new_requests_with_params(scheduler_output)
     traced = [r for r in new if r[1] and codec.PAYLOAD_KEY in r[1]]
     inter = interleaver_of(runner, create=bool(traced))
     if inter is None:
         return None
-    inter.finish(compat.finished_ids(scheduler_output))
+    inter.finish(runners.finished_ids(scheduler_output))
     for req_id in recomputed:
         inter.preempted(req_id)
     for req_id, extra_args, params in new if inter.edits else traced:
@@ -81,13 +82,13 @@ def close_step(inter: Interleaver, runner_output: Any, finishing: set[str]) -> N
     """End the interleaver's step; its results ride the runner's output."""
     results = inter.end_step(finishing)
     if results:
-        compat.attach_results(runner_output, results)
+        runners.attach_results(runner_output, results)
 
 
 def _execute_model(original: Callable) -> Callable:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        isolation.zero_reused_blocks(self, scheduler_output)
-        if admit_step(self, scheduler_output, compat.resumed_ids(scheduler_output)) is None:
+        kv_blocks.zero_reused_blocks(self, scheduler_output)
+        if admit_step(self, scheduler_output, runners.resumed_ids(scheduler_output)) is None:
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
         try:
@@ -113,7 +114,7 @@ def _model_forward(original: Callable) -> Callable:
         spans: dict[str, tuple[int, int]] = {}
         rows: dict[str, int] = {}
         start = 0
-        for row, (req_id, scheduled, computed, prompt_len) in enumerate(compat.v1_batch(self, so)):
+        for row, (req_id, scheduled, computed, prompt_len) in enumerate(runners.v1_batch(self, so)):
             spans[req_id] = (start, start + scheduled)
             rows[req_id] = row
             start += scheduled
@@ -164,8 +165,8 @@ def _sample_tokens(original: Callable) -> Callable:
             stepwise = inter.stepwise  # (requests that only steer never park between steps)
             finishing = {
                 r for r in (layout.spans if stepwise else ())
-                if r in stepwise and compat.may_finish(self, r) and inter.between_steps(r)
-                and compat.will_finish(self, r, lambda r=r: layout.sampled_token(r))
+                if r in stepwise and runners.may_finish(self, r) and inter.between_steps(r)
+                and runners.will_finish(self, r, lambda r=r: layout.sampled_token(r))
             }
             close_step(inter, out, finishing)
         return out
@@ -180,8 +181,8 @@ def _load_model(original: Callable) -> Callable:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         taps.on_model_loaded(self)
-        if self.__dict__.get(taps.SITES) and not compat.is_v2_runner(self):
-            compat.guard_v1_dispatcher(self, lambda: self.__dict__.get(_GRAPHS))
+        if self.__dict__.get(taps.SITES) and not runners.is_v2_runner(self):
+            runners.guard_v1_dispatcher(self, lambda: self.__dict__.get(_GRAPHS))
         return out
 
     return load_model
@@ -203,14 +204,14 @@ def _determine_batch_execution(original: Callable) -> Callable:
 
 
 def install_load_model(runner_cls: type) -> None:
-    compat.patch_method(runner_cls, "load_model", _load_model)
+    patching.patch_method(runner_cls, "load_model", _load_model)
 
 
 def install(runner_cls: type) -> None:
     install_load_model(runner_cls)
-    if hasattr(runner_cls, compat.V1_GRAPH_DISPATCH):
-        compat.patch_method(runner_cls, compat.V1_GRAPH_DISPATCH, _determine_batch_execution)
-    compat.patch_method(runner_cls, "execute_model", _execute_model)
-    compat.patch_method(runner_cls, "_model_forward", _model_forward)
-    compat.patch_method(runner_cls, "_sample", _sample)
-    compat.patch_method(runner_cls, "sample_tokens", _sample_tokens)
+    if hasattr(runner_cls, patching.V1_GRAPH_DISPATCH):
+        patching.patch_method(runner_cls, patching.V1_GRAPH_DISPATCH, _determine_batch_execution)
+    patching.patch_method(runner_cls, "execute_model", _execute_model)
+    patching.patch_method(runner_cls, "_model_forward", _model_forward)
+    patching.patch_method(runner_cls, "_sample", _sample)
+    patching.patch_method(runner_cls, "sample_tokens", _sample_tokens)

@@ -6,7 +6,7 @@ client process should not keep), so the tree has exactly the paths vLLM loads:
 ``model.layers.0.self_attn.qkv_proj``, not Hugging Face's ``q_proj``. Needs a vLLM
 install (the CPU build is enough); about 10 s.
 
-    python -m vllm_nnsight_plugin.client.meta PATH_OR_HUB_ID  # prints the tree as JSON
+    python -m vllm_nnsight_plugin.boundary.meta_tree PATH_OR_HUB_ID  # prints the tree as JSON
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def build(model: str, **engine_kwargs: Any) -> list[list[str]]:
     )
     from vllm.engine.arg_utils import EngineArgs
 
-    from ..engine import compat
+    from . import configuration
 
     engine_kwargs.setdefault("enforce_eager", True)
     config = EngineArgs(model=model, load_format="dummy", **engine_kwargs).create_engine_config()
@@ -44,7 +44,7 @@ def build(model: str, **engine_kwargs: Any) -> list[list[str]]:
         initialize_model_parallel(1, 1)
         try:
             with torch.device("meta"):
-                module = compat.build_model(config)
+                module = configuration.build_model(config)
             return [[name, type(m).__name__] for name, m in module.named_modules()]
         finally:
             destroy_model_parallel()

@@ -46,7 +46,7 @@ def install_frames(decoder_cls: type) -> None:
     of their own (no copy into the message, none out of it). Its decoder only turns them
     back into arrays where a field is typed as one; ``kv_transfer_params`` is not, so
     the frames are put into the results here, while the decoder still has them."""
-    from . import compat
+    from . import patching
 
     def make(original: Callable) -> Callable:
         def decode(self: Any, bufs: Any) -> Any:
@@ -62,4 +62,4 @@ def install_frames(decoder_cls: type) -> None:
 
         return decode
 
-    compat.patch_method(decoder_cls, "decode", make)
+    patching.patch_method(decoder_cls, "decode", make)

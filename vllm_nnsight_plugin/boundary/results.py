@@ -18,13 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ..payload import codec
-from . import compat
+from . import engine_core, patching, runners
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 
 _STORE = "_nnsight_results"
 _HALTING = "_nnsight_halting"  # ids whose block failed or stopped: their requests stop
-_OVERRIDE = compat.SCHEDULER_REQUEST_UPDATE  # vLLM's per-request update, wrapped per instance
+_OVERRIDE = patching.SCHEDULER_REQUEST_UPDATE  # vLLM's per-request update, wrapped per instance
 
 
 def _store(scheduler: Any) -> dict[str, dict[str, Any]]:
@@ -70,7 +70,7 @@ def finalize(entry: dict[str, Any]) -> dict[str, Any]:
 
 def _update_from_output(original: Callable) -> Callable:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        step_results = compat.take_results(model_runner_output)
+        step_results = runners.take_results(model_runner_output)
         store = self.__dict__.get(_STORE)
         if step_results:
             store = _store(self)
@@ -87,7 +87,7 @@ def _update_from_output(original: Callable) -> Callable:
             outputs = original(self, scheduler_output, model_runner_output)
         finally:
             self.__dict__.pop(_OVERRIDE, None)
-        finished = compat.finished_since_schedule(self)
+        finished = engine_core.finished_since_schedule(self)
         # only requests with fresh results or that just finished have anything to stamp:
         # a steady batch of traced requests costs no walk of the step's outputs
         if step_results or not finished.isdisjoint(store):
@@ -106,7 +106,7 @@ def _stamp_outputs(scheduler: Any, outputs: Any, store: dict[str, dict[str, Any]
     """Stamp the results of this step's outputs: a finished request's final results, a
     streaming request's saves of this step, the latest results of a request with stop
     strings (the front end, not the scheduler, may end it)."""
-    for eco in compat.iter_engine_outputs(outputs):
+    for eco in engine_core.iter_engine_outputs(outputs):
         entry = store.get(eco.request_id)
         if entry is None:
             continue
@@ -115,19 +115,19 @@ def _stamp_outputs(scheduler: Any, outputs: Any, store: dict[str, dict[str, Any]
                 halting.discard(eco.request_id)
             final = finalize(store.pop(eco.request_id))
             final["final"] = True
-            compat.stamp(eco, codec.PAYLOAD_KEY, final)
+            engine_core.stamp(eco, codec.PAYLOAD_KEY, final)
         elif entry.pop("dirty", False):
             request = scheduler.requests.get(eco.request_id)
             step_saves = entry.pop("step_saves", None)
-            if request is not None and compat.streams_saves(request):
+            if request is not None and engine_core.streams_saves(request):
                 # per-step delivery: what the block saved during this step
                 partial = codec.results_of(step_saves or {}, entry.get("error"), [])
                 partial["step"] = entry.get("step", 0)
-                compat.stamp(eco, codec.PAYLOAD_KEY, partial)
-            elif request is not None and compat.has_stop_strings(request):
+                engine_core.stamp(eco, codec.PAYLOAD_KEY, partial)
+            elif request is not None and engine_core.has_stop_strings(request):
                 # Stop strings end requests in the front end, where this scheduler
                 # never sees the finish: keep the latest results on every output.
-                compat.stamp(eco, codec.PAYLOAD_KEY, finalize(entry))
+                engine_core.stamp(eco, codec.PAYLOAD_KEY, finalize(entry))
 
 
 def _halting_update(update: Callable, halting: set[str], store: dict[str, dict[str, Any]]) -> Callable:
@@ -139,7 +139,7 @@ def _halting_update(update: Callable, halting: set[str], store: dict[str, dict[s
         new_token_ids, stopped = update(request, new_token_ids, *args, **kwargs)
         if not stopped and request.request_id in halting:
             errored = store.get(request.request_id, {}).get("error")
-            compat.stop_request(request, "nnsight_error" if errored else "nnsight_stop")
+            engine_core.stop_request(request, "nnsight_error" if errored else "nnsight_stop")
             stopped = True
         return new_token_ids, stopped
 
@@ -147,4 +147,4 @@ def _halting_update(update: Callable, halting: set[str], store: dict[str, dict[s
 
 
 def install(scheduler_cls: type) -> None:
-    compat.patch_method(scheduler_cls, "update_from_output", _update_from_output)
+    patching.patch_method(scheduler_cls, "update_from_output", _update_from_output)

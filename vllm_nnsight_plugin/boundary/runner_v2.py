@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import compat, isolation, lanes, taps
-from .rows import StepLayout
+from ..engine import lanes, taps
+from ..engine.rows import StepLayout
+from . import kv_blocks, patching, runners
 from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
 
 _BATCH = "_nnsight_input_batch"  # this step's (InputBatch, v2_batch table), until sample_tokens
@@ -32,9 +33,9 @@ def _execute_model(original: Callable) -> Callable:
         if kwargs.get("dummy_run"):
             lanes.settle()
             return original(self, scheduler_output, *args, **kwargs)
-        isolation.zero_reused_blocks(self, scheduler_output)
+        kv_blocks.zero_reused_blocks(self, scheduler_output)
         # V2 drops a preempted request's state and later re-sends it as new
-        if admit_step(self, scheduler_output, compat.preempted_ids(scheduler_output)) is None:
+        if admit_step(self, scheduler_output, runners.preempted_ids(scheduler_output)) is None:
             lanes.settle()  # (an untraced step: lanes left from the last traced one are zeroed)
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
@@ -54,14 +55,14 @@ def _prepare_inputs(original: Callable) -> Callable:
         inter = self.__dict__.get(_ATTR)
         if self.__dict__.get(_SO) is None or inter is None or not inter.working():
             return batch
-        ids = compat.v2_decode_ids(batch)
+        ids = runners.v2_decode_ids(batch)
         last = self.__dict__.get(_STEADY)
         if ids is not None and last is not None and last[0] == ids:
             spans, rows = last[1], last[2]  # a steady decode batch: the last step's layout
-            table = compat.v2_batch(self, batch) if inter.stepwise else None
+            table = runners.v2_batch(self, batch) if inter.stepwise else None
         else:
             spans, rows = {}, {}
-            table = compat.v2_batch(self, batch)
+            table = runners.v2_batch(self, batch)
             sessions = inter.sessions
             for row, (req_id, start, end, computed, prefill_len, _) in enumerate(table):
                 spans[req_id], rows[req_id] = (start, end), row
@@ -69,13 +70,13 @@ def _prepare_inputs(original: Callable) -> Callable:
                     inter.prompt_split(req_id, prefill_len, computed, end - start)
             self.__dict__[_STEADY] = (ids, spans, rows) if ids is not None else None
         self.__dict__[_BATCH] = (batch, table)
-        inter.begin_step(StepLayout(spans, rows, compat.v2_padded_tokens(batch)))
+        inter.begin_step(StepLayout(spans, rows, runners.v2_padded_tokens(batch)))
         return batch
 
     return prepare_inputs
 
 
-_sample = sample_wrapper(compat.v2_sampled)  # V2's sample() returns (SamplerOutput, ...)
+_sample = sample_wrapper(runners.v2_sampled)  # V2's sample() returns (SamplerOutput, ...)
 
 
 def _sample_tokens(original: Callable) -> Callable:
@@ -91,10 +92,10 @@ def _sample_tokens(original: Callable) -> Callable:
         finishing = set()
         stepwise = inter.stepwise  # (requests that only steer never park between steps)
         for req_id, start, end, computed, prefill_len, prompt_len in kept[1] if stepwise and kept[1] else ():
-            if req_id not in stepwise or req_id not in params or not compat.v2_may_finish(
+            if req_id not in stepwise or req_id not in params or not runners.v2_may_finish(
                     self, params[req_id], computed + end - start, prefill_len, prompt_len):
                 continue  # (it cannot finish this step: no walk of its blocks, no token read)
-            if inter.between_steps(req_id) and compat.v2_will_finish(
+            if inter.between_steps(req_id) and runners.v2_will_finish(
                 self, params[req_id], computed + end - start, prefill_len, prompt_len,
                 lambda r=req_id: layout.sampled_token(r),
             ):
@@ -113,7 +114,7 @@ def _dispatch(original: Callable) -> Callable:
         # a full graph would skip the tap op: piecewise (the op runs between pieces) or eager
         if _graph_mode == "piecewise":
             out = original(manager, num_reqs, num_tokens, None, *args, **kwargs)
-            if not compat.v2_desc_is_full(out[0]):
+            if not runners.v2_desc_is_full(out[0]):
                 return out
         kwargs["need_eager"] = True
         return original(manager, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
@@ -122,9 +123,9 @@ def _dispatch(original: Callable) -> Callable:
 
 
 def install(runner_cls: type) -> None:
-    compat.patch_method(runner_cls, "load_model", _load_model)
-    compat.patch_method(runner_cls, "execute_model", _execute_model)
-    compat.patch_method(runner_cls, "prepare_inputs", _prepare_inputs)
-    compat.patch_method(runner_cls, "sample", _sample)
-    compat.patch_method(runner_cls, "sample_tokens", _sample_tokens)
-    compat.wrap_module_function(compat.v2_runner_module(), compat.V2_GRAPH_DISPATCH, _dispatch)
+    patching.patch_method(runner_cls, "load_model", _load_model)
+    patching.patch_method(runner_cls, "execute_model", _execute_model)
+    patching.patch_method(runner_cls, "prepare_inputs", _prepare_inputs)
+    patching.patch_method(runner_cls, "sample", _sample)
+    patching.patch_method(runner_cls, "sample_tokens", _sample_tokens)
+    patching.wrap_module_function(runners.v2_runner_module(), patching.V2_GRAPH_DISPATCH, _dispatch)

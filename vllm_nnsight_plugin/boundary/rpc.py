@@ -19,19 +19,19 @@ def nnsight_module_tree(self: Any) -> list[list[str]]:
 def nnsight_module_table(self: Any) -> dict[str, Any]:
     """What the front end checks specs against before they reach the engine (see
     :func:`.guards.table`), and the modules other pipeline stages hold."""
-    from . import compat
-    from .guards import table
+    from ..engine.guards import table
+    from . import parallel
 
     model = self.model_runner.get_model()
-    return {**table(model), "absent": compat.absent_modules(model)}
+    return {**table(model), "absent": parallel.absent_modules(model)}
 
 
 def nnsight_probe(self: Any) -> dict[str, Any]:
     """Proof that the plugin is live in this worker process."""
-    from . import compat
+    from . import patching, runners
 
     runner_cls = type(self.model_runner)
-    v2 = compat.is_v2_runner(self.model_runner)
+    v2 = runners.is_v2_runner(self.model_runner)
     names = ("execute_model", "prepare_inputs", "sample", "sample_tokens") if v2 else \
         ("execute_model", "_model_forward", "_sample", "sample_tokens")
     return {
@@ -39,7 +39,7 @@ def nnsight_probe(self: Any) -> dict[str, Any]:
         "runner": f"{runner_cls.__module__}.{runner_cls.__name__}",
         "v2": v2,
         "patched": all(
-            compat.is_patched(cls, name)
+            patching.is_patched(cls, name)
             for name in names
             for cls in [next(c for c in runner_cls.__mro__ if name in c.__dict__)]
         ),
@@ -65,7 +65,7 @@ def nnsight_lane_stats(self: Any) -> dict[str, int]:
     """Counters since start: location-steps of batched specs served by lanes (inside
     the forward's own kernels) and by Python (the tap op's handler or a hook), and
     code blocks run as batched specs (``lowered``: see :mod:`.lower`)."""
-    from . import lanes, lower
+    from ..engine import lanes, lower
 
     return {**lanes.STATS, **lower.STATS}
 

@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import compat
+from . import engine_core, patching
 
 SALT_PREFIX = "nnsight-"  # the front end salts every traced request's prefix cache with this
 
@@ -69,7 +69,7 @@ class _PerRequest:
 def scheduling(scheduler: Any) -> Iterator[None]:
     """Around one ``schedule()`` call (see the module docstring)."""
     config = scheduler.scheduler_config
-    if not config.enable_chunked_prefill or not any(keep_whole(r) for r in compat.waiting_requests(scheduler)):
+    if not config.enable_chunked_prefill or not any(keep_whole(r) for r in engine_core.waiting_requests(scheduler)):
         yield
         return
     scheduler.scheduler_config = _PerRequest(config)
@@ -92,6 +92,6 @@ def _peek(original: Callable) -> Callable:
 
 
 def install_queue(queue_cls: type) -> None:
-    """(``schedule()`` itself is wrapped once, in :mod:`.isolation`, which enters
+    """(``schedule()`` itself is wrapped once, in :mod:`.kv_blocks`, which enters
     :func:`scheduling`.)"""
-    compat.patch_method(queue_cls, "peek_request", _peek)
+    patching.patch_method(queue_cls, "peek_request", _peek)

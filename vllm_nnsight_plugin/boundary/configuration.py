@@ -1,0 +1,90 @@
+"""What the plugin reads from a ``VllmConfig``: compilation mode, dtype, graph sizes,
+the model's widths and the operator's ``additional_config["nnsight"]`` section.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def runs_eager(vllm_config: Any) -> bool:
+    """True when Python hooks run on every step (no torch.compile, no CUDA graphs)."""
+    if getattr(vllm_config.model_config, "enforce_eager", False):
+        return True
+    comp = vllm_config.compilation_config
+    mode = getattr(comp, "mode", None)
+    graphs = getattr(comp, "cudagraph_mode", None)
+    mode_none = mode is None or int(mode) == 0
+    graphs_none = graphs is None or getattr(graphs, "name", str(graphs)) == "NONE"
+    return mode_none and graphs_none
+
+
+def model_dtype(vllm_config: Any) -> Any:
+    """The dtype of the model's activations (``model_config.dtype``)."""
+    return getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+
+
+def compiles_piecewise(vllm_config: Any) -> bool:
+    """Whether vLLM compiles the model split at ``splitting_ops`` (VLLM_COMPILE)."""
+    comp = vllm_config.compilation_config
+    return getattr(comp, "mode", None) is not None and int(comp.mode) == 3
+
+
+def max_graph_batch(vllm_config: Any) -> int:
+    """Tokens in vLLM's largest CUDA-graph batch (512 where there are none, e.g. CPU)."""
+    size = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
+    return int(size) if size else 512
+
+
+def add_splitting_op(vllm_config: Any, op_name: str) -> bool:
+    """Make vLLM split its compiled graph at ``op_name`` (the op then runs eagerly
+    between CUDA-graph pieces). Must run before the first compile (model load).
+    False when the graph is compiled whole (no split points to join)."""
+    comp = vllm_config.compilation_config
+    ops = comp.splitting_ops
+    if not compiles_piecewise(vllm_config) or not ops:
+        return False
+    if op_name not in ops:
+        ops.append(op_name)
+    return True
+
+
+def build_model(vllm_config: Any) -> Any:
+    """Instantiate vLLM's model class for a config (weights not loaded)."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    return initialize_model(vllm_config=vllm_config)
+
+
+def model_key(vllm_config: Any) -> str:
+    """What identifies the served model's module tree: its path or hub id."""
+    return str(getattr(getattr(vllm_config, "model_config", None), "model", ""))
+
+
+def llm_config(llm: Any) -> Any:
+    """The VllmConfig of a ``vllm.LLM``."""
+    return llm.llm_engine.vllm_config
+
+
+def model_width(vllm_config: Any) -> int | None:
+    """An upper bound on the last dimension of any activation of the served model (a
+    spec's longer value cannot fit anywhere): the vocabulary, the fused QKV and
+    gate/up projections, a 4x MLP. None when the config does not say."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return None
+    try:
+        hf = mc.hf_text_config
+        hidden, heads = mc.get_hidden_size(), getattr(hf, "num_attention_heads", 0) or 0
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        inter = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 0
+        return max(mc.get_vocab_size(), 4 * hidden, 2 * int(inter), (heads + 2 * kv_heads) * mc.get_head_size())
+    except Exception:  # noqa: BLE001 - a config without these: no bound
+        return None
+
+
+def additional_config(vllm_config: Any) -> dict:
+    """The operator's ``--additional-config`` entries for this plugin (key ``nnsight``)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    section = extra.get("nnsight") if isinstance(extra, dict) else None
+    return section if isinstance(section, dict) else {}

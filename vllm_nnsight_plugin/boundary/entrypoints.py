@@ -1,0 +1,81 @@
+"""The front end's side (``LLM``, ``AsyncLLM``, the OpenAI server): engine utilities,
+requests' extra_args and prefix-cache salt, whether this process serves HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .patching import APP_ROUTE_HOOKS, loaded
+
+
+def engine_utility(llm: Any, method: str, *args: Any) -> Any:
+    """Call an EngineCore method of a ``vllm.LLM`` (sync)."""
+    return llm.llm_engine.engine_core.call_utility(method, *args)
+
+
+async def engine_utility_async(engine: Any, method: str, *args: Any) -> Any:
+    """Call an EngineCore method of an ``AsyncLLM``."""
+    return await engine.engine_core.call_utility_async(method, *args)
+
+
+def make_async_engine(model: str, kwargs: dict[str, Any]) -> Any:
+    """vLLM's ``AsyncLLM`` for a model, from ``vllm.LLM``-style keywords."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **kwargs))
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Stop a ``vllm.LLM``'s (or ``AsyncLLM``'s) engine processes now. An AsyncLLM's
+    output task is finished on its own event loop when that loop is idle; when the
+    loop is already closed nothing can finish it, and its "destroyed but pending"
+    warning is dropped."""
+    if hasattr(llm, "shutdown") and not hasattr(llm, "llm_engine"):
+        handler = getattr(llm, "output_handler", None)
+        llm.shutdown()
+        if handler is not None and not handler.done():
+
+            loop = handler.get_loop()
+            if loop.is_closed():
+                handler._log_destroy_pending = False
+            elif not loop.is_running():
+                loop.run_until_complete(_finished(handler))
+        return
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+async def _finished(task: Any) -> None:
+    """Wait for a cancelled task to end (on its own loop)."""
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - cancelled, or failed while shutting down: it has ended
+        pass
+
+
+def salt_request(engine_core_request: Any, salt: str) -> None:
+    """A cache salt: no prefix-cache reads from, or writes for, requests with another."""
+    old = engine_core_request.cache_salt
+    engine_core_request.cache_salt = f"{old}|{salt}" if old else salt
+
+
+def sampling_extra_args(params: Any) -> dict | None:
+    return getattr(params, "extra_args", None)
+
+
+def serving_http() -> bool:
+    """True in the OpenAI API server process (payloads arrive over HTTP)."""
+    return any(loaded(name) for name in HTTP_SERVER_MODULES)
+
+
+HTTP_SERVER_MODULES = tuple(module for module, _ in APP_ROUTE_HOOKS)
+
+
+def serving_vllm_config(serving: Any) -> Any:
+    """The engine config behind an OpenAI serving handler."""
+    client = getattr(serving, "engine_client", None)
+    return getattr(client, "vllm_config", None)

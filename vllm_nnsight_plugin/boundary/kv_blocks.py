@@ -1,0 +1,101 @@
+"""No traced request leaves KV state that another request reads.
+
+An edit can put NaN or inf into a request's KV cache. When its blocks return to the
+pool and are handed to another request, the new owner writes only the slots it uses;
+an attention kernel that masks the rest by multiplying with a zero probability still
+reads them, and 0 x NaN is NaN. So the scheduler remembers the blocks of every traced
+request (a request whose cache salt is the plugin's) when it frees them, and when the
+block pool hands such a block out again, the worker zeroes it before the step that
+uses it (with vLLM's own block zeroer where the runner has one). Blocks still in the
+prefix cache are only ever hit by requests with the same salt, and they are not
+zeroed while cached: zeroing happens only on a fresh allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import engine_core, patching, runners, whole_prompts
+from .whole_prompts import traced
+
+DIRTY = "_nnsight_dirty_blocks"  # on the block pool: ids freed by traced requests
+PENDING = "_nnsight_blocks_to_zero"  # on the block pool: dirty ids handed out again, to zero
+ZERO_ATTR = "nnsight_zero_blocks"  # on a SchedulerOutput: ids the worker zeroes before the step
+
+
+# ----------------------------------------------------------- scheduler (EngineCore)
+
+
+def _remember(manager: Any, request: Any) -> None:
+    if not traced(request):
+        return
+    try:
+        groups = manager.get_block_ids(request.request_id)
+    except Exception:  # noqa: BLE001 - a request with no blocks (yet)
+        return
+    pool = manager.block_pool
+    dirty = pool.__dict__.setdefault(DIRTY, set())
+    for ids in groups:
+        dirty.update(ids)
+
+
+def _freeing(original: Callable) -> Callable:
+    def free(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        _remember(self, request)
+        return original(self, request, *args, **kwargs)
+
+    return free
+
+
+def _get_new_blocks(original: Callable) -> Callable:
+    def get_new_blocks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks = original(self, *args, **kwargs)
+        dirty = self.__dict__.get(DIRTY)
+        if dirty:
+            pending = self.__dict__.setdefault(PENDING, [])
+            for block in blocks:
+                if block.block_id in dirty:
+                    dirty.discard(block.block_id)
+                    pending.append(block.block_id)
+        return blocks
+
+    return get_new_blocks
+
+
+def _schedule(original: Callable) -> Callable:
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with whole_prompts.scheduling(self):  # (the one wrap of schedule(): both happen here)
+            output = original(self, *args, **kwargs)
+        pool = engine_core.scheduler_block_pool(self)
+        pending = pool.__dict__.get(PENDING) if pool is not None else None
+        if pending:
+            setattr(output, ZERO_ATTR, list(pending))
+            pending.clear()
+        return output
+
+    return schedule
+
+
+def install_scheduler(scheduler_cls: type) -> None:
+    patching.patch_method(scheduler_cls, "schedule", _schedule)
+
+
+def install_kv_manager(manager_cls: type) -> None:
+    for name in patching.KV_MANAGER_FREES:
+        if hasattr(manager_cls, name):
+            patching.patch_method(manager_cls, name, _freeing)
+
+
+def install_block_pool(pool_cls: type) -> None:
+    patching.patch_method(pool_cls, patching.BLOCK_POOL_ALLOCATE, _get_new_blocks)
+
+
+# ----------------------------------------------------------------- worker
+
+
+def zero_reused_blocks(runner: Any, scheduler_output: Any) -> None:
+    """Before a step: zero the blocks traced requests held that are now handed out again."""
+    ids = getattr(scheduler_output, ZERO_ATTR, None)
+    if ids:
+        runners.zero_kv_blocks(runner, ids)

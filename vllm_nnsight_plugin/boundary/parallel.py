@@ -1,0 +1,90 @@
+"""Tensor and pipeline parallel: the ranks, their collectives, which values a
+rank holds a shard of, and the modules another pipeline stage holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pipeline_stages(vllm_config: Any) -> int:
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
+
+
+def last_pipeline_stage() -> bool:
+    """Whether this worker runs the model's last pipeline stage: the only one whose
+    output (logits, samples, results) reaches the scheduler. True without pipeline
+    parallel."""
+    from vllm.distributed import get_pp_group
+
+    try:
+        return bool(get_pp_group().is_last_rank)
+    except AssertionError:  # (no distributed state in this process: not a worker)
+        return True
+
+
+def absent_modules(model: Any) -> list[str]:
+    """Paths of the modules another pipeline stage holds (vLLM puts a ``PPMissingLayer``
+    where they would be)."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    return [path for path, module in model.named_modules() if isinstance(module, PPMissingLayer)]
+
+
+def tp_world() -> tuple[int, int]:
+    """(tensor-parallel size, this worker's rank); (1, 0) outside a TP group."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - no distributed state (a unit test's model)
+        return 1, 0
+
+
+def tp_all_gather(x: Any) -> Any:
+    """Every rank's ``x`` side by side along the last dimension (a collective)."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(x.contiguous(), -1)
+
+
+def tp_all_reduce(x: Any) -> Any:
+    """The sum of every rank's ``x`` (a collective)."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(x.clone())
+
+
+def shard_of(module: Any, io: str) -> tuple[str, tuple[int, ...] | str] | None:
+    """How a module's value is split across tensor-parallel ranks: ``("sharded",
+    segments)`` along the last dimension, each rank holding its slice of every segment
+    (``segments``: the local sizes, or ``"whole"``/``"halves"`` of the local value),
+    ``("partial", "sum")`` for a per-rank partial sum, None when every rank holds the
+    whole value. Raises for a layout it cannot put together (replicated KV heads)."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(module, ColumnParallelLinear):
+        if io != "output" or module.tp_size <= 1 or module.gather_output:
+            return None
+        if getattr(module, "num_kv_head_replicas", 1) > 1:
+            raise NotImplementedError(
+                f"{type(module).__name__} under tensor parallel with fewer KV heads than ranks (replicated "
+                "KV heads) cannot be put back together: use a tensor_parallel_size that divides the KV heads")
+        return "sharded", tuple(int(s) for s in module.output_partition_sizes)
+    if isinstance(module, RowParallelLinear):
+        if module.tp_size <= 1:
+            return None
+        if io == "input":
+            return ("sharded", "whole") if module.input_is_parallel else None
+        return None if module.reduce_results else ("partial", "sum")
+    if tp_world()[0] <= 1:
+        return None
+    name = type(module).__name__
+    if name == "Attention" and type(module).__module__.startswith("vllm."):
+        return "sharded", "whole"  # (its heads are this rank's: query in, heads' values out)
+    if name.endswith("AndMul") or name == "MulAndSilu":  # (gate and up in, their product out)
+        return ("sharded", "halves") if io == "input" else ("sharded", "whole")
+    if hasattr(module, "reduce_results") and io == "output" and not module.reduce_results \
+            and hasattr(module, "tp_size") and module.tp_size > 1:
+        return "partial", "sum"  # (a fused MoE whose caller all-reduces)
+    return None

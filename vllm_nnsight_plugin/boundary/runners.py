@@ -1,0 +1,244 @@
+"""The model runners' state (V1 ``GPUModelRunner`` and Model Runner V2): a step's
+requests and rows, which requests may finish, where results ride the runner output,
+the KV block zeroer.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .patching import _MARK, RUNNER_V2
+
+# top-level modules vLLM calls outside the model's forward (compute_logits, sampling):
+# a cache of every module leaves them out
+OUTSIDE_FORWARD = frozenset({"lm_head", "logits_processor", "sampler"})
+
+
+def guard_v1_dispatcher(runner: Any, wanted: Callable[[], str | None]) -> None:
+    """Wrap a V1 runner's CUDA-graph dispatcher: while ``wanted()`` says "piecewise",
+    full graphs (which would skip the tap op) are excluded; "eager" excludes graphs."""
+    disp = getattr(runner, "cudagraph_dispatcher", None)
+    if disp is None or getattr(disp.dispatch, _MARK, False):
+        return
+    from vllm.config import CUDAGraphMode
+
+    original = disp.dispatch
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        want = wanted()
+        if want and kwargs.get("valid_modes") is None:  # (a given valid set: forced eager / DP sync)
+            if want == "eager":
+                kwargs["valid_modes"] = {CUDAGraphMode.NONE}
+            else:
+                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
+        return original(*args, **kwargs)
+
+    setattr(dispatch, _MARK, True)
+    disp.dispatch = dispatch
+
+
+def v2_desc_is_full(batch_desc: Any) -> bool:
+    mode = getattr(batch_desc, "cg_mode", None)
+    return getattr(mode, "name", "") == "FULL"
+
+
+def new_requests_with_params(scheduler_output: Any) -> list[tuple[str, dict | None, Any]]:
+    """``(req_id, extra_args, SamplingParams)`` of the step's new requests."""
+    out = []
+    for new in scheduler_output.scheduled_new_reqs:
+        params = new.sampling_params
+        out.append((new.req_id, getattr(params, "extra_args", None) if params is not None else None, params))
+    return out
+
+
+def preempted_ids(scheduler_output: Any) -> set[str]:
+    """Requests preempted this step (V2 drops their state and re-sends them as new)."""
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def finished_ids(scheduler_output: Any) -> set[str]:
+    return scheduler_output.finished_req_ids
+
+
+def resumed_ids(scheduler_output: Any) -> set[str]:
+    cached = scheduler_output.scheduled_cached_reqs
+    return set(getattr(cached, "resumed_req_ids", ()) or ())
+
+
+def v1_batch(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int, int]]:
+    """``(req_id, scheduled, computed_before, prompt_len)`` in flat-batch order."""
+    sched = scheduler_output.num_scheduled_tokens
+    out = []
+    for req_id in runner.input_batch.req_ids:
+        state = runner.requests[req_id]
+        prompt = state.prompt_token_ids
+        out.append((req_id, sched[req_id], state.num_computed_tokens, len(prompt) if prompt is not None else 0))
+    return out
+
+
+def will_finish(runner: Any, req_id: str, sampled: Callable[[], int]) -> bool:
+    """Whether the token sampled this step ends the request (as the scheduler's
+    stop check will decide). Stop strings are only seen by the front end.
+    ``sampled()`` reads this step's token when async scheduling left a placeholder."""
+    state = runner.requests.get(req_id)
+    if state is None or not state.output_token_ids:
+        return False
+    out = state.output_token_ids
+    prompt = len(state.prompt_token_ids or ())
+    return _stops(state.sampling_params, len(out), prompt + len(out), runner.max_model_len,
+                  lambda: out[-1] if out[-1] >= 0 else sampled())
+
+
+def may_stop(params: Any, outputs: int, total: int, max_model_len: int) -> bool:
+    """Whether :func:`_stops` can be true for these counts: False means it is not,
+    without reading this step's token (most traced requests, most steps: one
+    comparison each instead of a walk of their blocks)."""
+    if params is None:
+        return False
+    if (params.max_tokens is not None and outputs >= params.max_tokens) or total >= max_model_len:
+        return True
+    if outputs < (params.min_tokens or 0):
+        return False
+    return params.eos_token_id is not None or bool(params.stop_token_ids)
+
+
+def may_finish(runner: Any, req_id: str) -> bool:
+    """:func:`may_stop` for a V1 runner's request."""
+    state = runner.requests.get(req_id)
+    if state is None or not state.output_token_ids:
+        return False
+    n = len(state.output_token_ids)
+    return may_stop(state.sampling_params, n, len(state.prompt_token_ids or ()) + n, runner.max_model_len)
+
+
+def _stops(params: Any, outputs: int, total: int, max_model_len: int, last: Callable[[], int]) -> bool:
+    """The scheduler's stop check for ``outputs`` tokens (``total`` with the prompt);
+    ``last()`` (the newest token) is read only when a stop token could match."""
+    if params is None:
+        return False
+    if params.max_tokens is not None and outputs >= params.max_tokens:
+        return True
+    if total >= max_model_len:
+        return True
+    if outputs < (params.min_tokens or 0):
+        return False
+    # the tokens check_stop ends on: eos (None under ignore_eos) and stop_token_ids; not
+    # all_stop_token_ids, which also holds the eos ids kept only for min_tokens masking
+    eos = params.eos_token_id
+    stops = params.stop_token_ids or ()
+    if eos is None and not stops:
+        return False  # no stop token to check: no device->host read (keeps async scheduling)
+    token = last()
+    return token == eos or token in stops
+
+
+def is_v2_runner(runner: Any) -> bool:
+    mod = sys.modules.get(RUNNER_V2[0])
+    return mod is not None and isinstance(runner, getattr(mod, RUNNER_V2[1]))
+
+
+def v2_runner_module() -> Any:
+    return sys.modules[RUNNER_V2[0]]
+
+
+def v2_batch(runner: Any, batch: Any) -> list[tuple[str, int, int, int, int, int]]:
+    """``(req_id, start, end, computed_before, prefill_len, prompt_len)`` per row of a
+    V2 ``InputBatch`` (its order is rebuilt every step: decodes first). Whole arrays
+    to Python at once: this runs every step over every row."""
+    n = batch.num_reqs
+    qsl = batch.query_start_loc_np[: n + 1].tolist()
+    prompt = runner.req_states.prompt_len.np[batch.idx_mapping_np[:n]].tolist()
+    return list(zip(batch.req_ids[:n], qsl[:-1], qsl[1:], batch.num_computed_tokens_np[:n].tolist(),
+                    batch.prefill_len_np[:n].tolist(), prompt))
+
+
+def v2_decode_ids(batch: Any) -> list[str] | None:
+    """The request ids of a V2 ``InputBatch`` in which every row decodes one token (no
+    prompt rows, no draft tokens), else None. Such a step has the layout of the last
+    one when the ids are the same, in the same order."""
+    n = batch.num_reqs
+    if batch.num_tokens != n or not (batch.num_computed_tokens_np[:n] >= batch.prefill_len_np[:n]).all():
+        return None
+    return batch.req_ids[:n]
+
+
+def v2_padded_tokens(batch: Any) -> int:
+    return int(batch.num_tokens_after_padding)
+
+
+def v2_sampled(sample_result: Any) -> Any:
+    """``sampled_token_ids`` ([num_reqs, 1], device) of V2's ``sample()`` result."""
+    return sample_result[0].sampled_token_ids
+
+
+def v2_will_finish(runner: Any, params: Any, computed_after: int, prefill_len: int, prompt_len: int,
+                   sampled: Callable[[], int]) -> bool:
+    """As :func:`will_finish`, from V2's arrays (no per-request Python state there)."""
+    if computed_after < prefill_len:  # a prefill chunk samples nothing
+        return False
+    return _stops(params, computed_after + 1 - prompt_len, computed_after + 1, runner.max_model_len, sampled)
+
+
+def v2_may_finish(runner: Any, params: Any, computed_after: int, prefill_len: int, prompt_len: int) -> bool:
+    """:func:`may_stop` from V2's arrays."""
+    return computed_after >= prefill_len and may_stop(params, computed_after + 1 - prompt_len, computed_after + 1,
+                                                      runner.max_model_len)
+
+
+def runner_model(runner: Any) -> Any:
+    return runner.get_model()
+
+
+def attach_results(model_runner_output: Any, results: dict) -> None:
+    """Results ride the runner output as an extra attribute (pickles with it)."""
+    target = model_runner_output
+    for attr in ("_model_runner_output", "model_runner_output"):  # async-scheduling wrappers
+        inner = getattr(target, attr, None)
+        if inner is not None:
+            target = inner
+            break
+    if target is None or type(target).__name__ != "ModelRunnerOutput":
+        return
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if target is EMPTY_MODEL_RUNNER_OUTPUT:
+        return
+    target.nnsight = results
+
+
+def take_results(model_runner_output: Any) -> dict | None:
+    return getattr(model_runner_output, "nnsight", None)
+
+
+def zero_kv_blocks(runner: Any, block_ids: list[int]) -> None:
+    """Zero KV cache blocks in every layer, with vLLM's own zeroer where the runner has
+    one (it knows each backend's layout), else along the dimension of size num_blocks."""
+    def zeroer_of() -> Any:  # V2: kv_block_zeroer; V1: _kv_block_zeroer (both built only when vLLM needs one)
+        return getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
+
+    zeroer = zeroer_of()
+    if zeroer is None and getattr(getattr(runner, "device", None), "type", "cpu") == "cuda" \
+            and hasattr(runner, "_init_kv_zero_meta"):
+        runner._init_kv_zero_meta()
+        zeroer = zeroer_of()
+    if zeroer is not None:
+        zeroer.zero_block_ids(list(block_ids))
+        return
+    if type(runner).__name__ == "CPUModelRunner" and hasattr(runner, "_zero_block_ids"):
+        runner._zero_block_ids(list(block_ids))
+        return
+    import torch
+
+    num_blocks = runner.kv_cache_config.num_blocks
+    index = None
+    for kv in runner.kv_caches:
+        tensors = kv if isinstance(kv, (list, tuple)) else [kv]
+        for t in tensors:
+            dim = next((d for d, n in enumerate(t.shape) if n == num_blocks), None)
+            if dim is None:
+                continue
+            if index is None or index.device != t.device:
+                index = torch.tensor(block_ids, device=t.device)
+            t.index_fill_(dim, index, 0)
