@@ -92,20 +92,17 @@ class Watchdog:
     def _on_signal(self, previous: Any, signum: int, frame: Any) -> None:
         session = self.running
         if session is not None and greenlet.getcurrent() is session._glet and self.overdue(session) \
-                and _inside_block(frame, session.filename):
+                and _inside_block(frame, session.filename, type(session)._main.__code__):
             raise BlockTimeout(f"the block ran for more than {self.limit_s:g} s, this server's limit "
                                "(code_time_limit_s); the request ends here")
         if callable(previous):
             previous(signum, frame)
 
 
-def _inside_block(frame: Any, filename: str) -> bool:
+def _inside_block(frame: Any, filename: str, stop: Any) -> bool:
     """Whether ``frame`` runs the block's code or something it called, so that an
     exception raised here unwinds through the block to the session's own handler
-    (and never inside that handler, which reports the first one)."""
-    from .session import RequestSession
-
-    stop = RequestSession._main.__code__
+    (and never inside that handler, which reports the first one: ``stop``, its code)."""
     while frame is not None:
         if frame.f_code is stop:
             return False

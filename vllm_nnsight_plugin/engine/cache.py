@@ -176,7 +176,7 @@ def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
     the op's ``modules`` (each checked: known, on one path, served). Memoized per op
     text, so requests caching alike share their reads (the interleaver keeps one)."""
     from ..boundary import runners
-    from . import lower
+    from .forward_types import output_structure
 
     memo: dict[str, Expansion] = {}
 
@@ -188,7 +188,7 @@ def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
             return False
 
     def structure(path: str) -> int | None:
-        return lower.output_structure(type(inter.envoy_at(path)._module))
+        return output_structure(type(inter.envoy_at(path)._module))
 
     def expand_op(op: dict[str, Any]) -> Expansion:
         key = repr(sorted(op.items()))

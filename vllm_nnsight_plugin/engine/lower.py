@@ -16,10 +16,8 @@ runner fails the request, naming the fix, where the value is not that.
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
-import typing
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from typing import Any
 import torch
 
 from . import record
+from .forward_types import output_structure
 from .proxies import RecEnvoy, RecTensor, RecTracer, RecTuple
 from .record import Recorder, Unrecordable
 
@@ -60,23 +59,6 @@ class Fallback:
 
     why: str
     line: int
-
-
-@functools.lru_cache(maxsize=256)
-def output_structure(cls: type) -> int | None:
-    """What ``cls.forward`` returns, by its annotation: 0 for a tensor, N for a tuple
-    of N tensors, None when unannotated or anything else (a union, an optional)."""
-    try:
-        ret = typing.get_type_hints(cls.forward).get("return")
-    except Exception:  # noqa: BLE001 - an unresolvable annotation is an unknown structure
-        return None
-    if ret is torch.Tensor:
-        return 0
-    args = typing.get_args(ret)
-    if typing.get_origin(ret) is tuple and args and Ellipsis not in args \
-            and all(a is torch.Tensor for a in args):
-        return len(args)
-    return None
 
 
 def recorder(model: torch.nn.Module, dtype: torch.dtype, shared: frozenset[int]) -> tuple[Recorder, Callable]:

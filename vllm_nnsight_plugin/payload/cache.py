@@ -55,14 +55,13 @@ def _full(path: str) -> str:
     return f"{ROOT}.{path}" if path else ROOT
 
 
-def decode(body: Any, decode_value: Callable[[Any], Any]) -> CacheView:
-    """The view of a ``$cache`` body; ``decode_value`` decodes one encoded value."""
+def decode(body: Any, decode_value: Callable[[Any], Any], dtypes: dict[str, Any]) -> CacheView:
+    """The view of a ``$cache`` body; ``decode_value`` decodes one encoded value,
+    ``dtypes`` maps a dtype's name to it."""
     if not isinstance(body, dict) or not isinstance(body.get("entries"), list):
         raise ValueError("malformed cache value")
-    from .values import _DTYPES
-
     dtype = body.get("dtype")
-    cast = _DTYPES[dtype] if dtype is not None else None
+    cast = dtypes[dtype] if dtype is not None else None
     entries: dict[str, list[Entry]] = {}
     for path, io, kind, parts in body["entries"]:
         if kind == "tuple":

@@ -35,6 +35,7 @@ import cloudpickle
 import torch
 
 from . import values as tagged
+from .errors import PayloadError
 
 # the keys a request carries in SamplingParams.extra_args (vllm_xargs over HTTP)
 PAYLOAD_KEY = "nnsight"  # the intervention: a code block or a JSON spec
@@ -46,10 +47,6 @@ DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 # JSON values one payload may hold: parsing holds the interpreter for about 0.1 us a value
 # (a front end's event loop too); tensor bytes travel as base64 strings, which parse at once
 MAX_JSON_ITEMS = 1 << 18
-
-
-class PayloadError(ValueError):
-    """A payload that cannot be accepted; the message names what is wrong."""
 
 
 def max_payload_bytes() -> int:

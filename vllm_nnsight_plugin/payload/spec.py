@@ -28,7 +28,7 @@ import re
 from importlib import resources
 from typing import Any
 
-from .codec import PayloadError
+from .errors import PayloadError
 
 STEP_WORDS = ("prefill", "generated", "all")
 MAX_OPS = 256

@@ -258,5 +258,5 @@ def decode(obj: Any, resolve_result: Any = None) -> Any:
     if tag == "$cache":
         from .cache import decode as decode_cache
 
-        return decode_cache(body, lambda v: decode(v, resolve_result))
+        return decode_cache(body, lambda v: decode(v, resolve_result), _DTYPES)
     raise ValueError(f"unknown result tag {tag!r}")
