@@ -1,0 +1,203 @@
+"""The interleaver's admission of a request: its payload parsed, its blocks recorded
+into plans (or kept as code), the engine-wide edits it selects, its sessions made.
+A part of :class:`.interleave.Interleaver` (a mixin: the state lives there)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ..payload import codec
+from . import batched, cache, guards, lower
+from .envoy import WorkerEnvoy
+from .session import RequestSession, Wait
+from .tree import map_tensors
+
+
+class Admission:
+    """Admitting requests (see the module docstring)."""
+
+    # ------------------------------------------------------------ admission
+    def admit(self, req_id: str, extra_args: dict[str, Any] | None, params: Any = None) -> None:
+        """Blocks for a new request: the installed edits it selects, then its own."""
+        if req_id in self.traced:  # V2 re-sends a resumed request as new: never restart its blocks
+            return
+        extra = extra_args or {}
+        # a block whose saves stream per step binds its names as it runs: never lowered
+        kept_code = "nnsight_lower is off" if not lower.wanted(extra.get(codec.LOWER_KEY, True)) else \
+            "its saves stream per step" if extra.get(codec.STREAM_KEY) else None  # why blocks stay code
+        blocks: list[RequestSession] = []
+        max_tokens = getattr(params, "max_tokens", None)  # (plans' step ranges are read against it)
+        for eid, (name, env) in self._selected_edits(extra.get(codec.EDITS_KEY)):
+            blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
+                                        batchable=all(b.batched for b in blocks), kept_code=kept_code,
+                                        max_tokens=max_tokens))
+        raw = extra.get(codec.PAYLOAD_KEY)
+        if raw is not None:
+            blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks),
+                                        kept_code=kept_code, max_tokens=max_tokens))
+        if blocks:
+            self._epoch += 1
+            self.sessions[req_id] = blocks
+            # how each block runs, reported once on the request's output (RequestOutput.ran_as)
+            self.results.setdefault(req_id, {})["ran_as"] = "; ".join(b.ran_as for b in blocks)
+            self.traced.add(req_id)
+            if not all(b.batched for b in blocks):
+                self.coded.add(req_id)
+            if any(b.batched_reads or not b.batched for b in blocks):
+                self.stepwise.add(req_id)
+            self.params[req_id] = params
+            if extra.get(codec.STREAM_KEY) or getattr(params, "stop", None) or params is None:
+                self.report_every_step.add(req_id)
+            if any(b.error for b in blocks):
+                self._record(req_id)
+
+
+    def _selected_edits(self, names: Any) -> list[tuple[str, tuple[str | None, dict[str, Any]]]]:
+        """A request naming edits runs those plus every unnamed one; naming none runs all."""
+        if names is None:
+            return list(self.edits.items())
+        wanted = {names} if isinstance(names, str) else set(names)
+        return [(eid, e) for eid, e in self.edits.items() if e[0] is None or e[0] in wanted]
+
+
+    def _session(self, req_id: str, raw: Any, label: str = "", index: int = 0, batchable: bool = True,
+                 kept_code: str | None = None, max_tokens: int | None = None) -> RequestSession:
+        """One block. ``batchable``: every earlier block of the request is batched, so a
+        batched spec here still runs in block order (batched edits apply first).
+        ``kept_code``: why a code block must run as code (None: if it is exactly a batched
+        spec, it runs as that spec). Sets the session's ``ran_as``."""
+        session = RequestSession(req_id, self)
+        try:
+            env = raw if isinstance(raw, dict) else codec.parse_envelope(raw)
+            if env["kind"] == "spec":
+                self._admit_spec(session, env, index if batchable else None, max_tokens)
+                session.ran_as = "batched" if session.batched else "spec, per request" + \
+                    ("" if batchable else " (an earlier block of the request runs as code)")
+                return session
+            planned = self.lowerings.get(env, self.check_module_access, self.integer_inputs) \
+                if kept_code is None and batchable else None
+            if isinstance(planned, lower.Lowered):
+                self._admit_spec(session, planned.spec, index, max_tokens)
+                session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
+                session.lowered = planned
+                lower.STATS["lowered"] += 1
+                session.ran_as = "batched"
+                return session
+            session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
+            line = planned.line if planned is not None else env["lineno"]
+            why = kept_code or ("an earlier block of the request runs as code" if not batchable else planned.why)
+            session.ran_as = f"code: {env['filename']}:{line} ({why})"
+            values = codec.load_code(env, self._resolver()).values
+            session.namespace.update({k: self._to_device(v) for k, v in values.items()})
+            for name, value in values.items():  # trace-level lists the block appends to: saved
+                if isinstance(value, codec.SharedList):
+                    session.namespace[name] = session.save(session.namespace[name])
+        except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
+            session.fail(f"bad payload{' (' + label + ')' if label else ''}: {exc}")
+        return session
+
+
+    def install_edit(self, edit_id: str, name: str | None, raw: str) -> None:
+        """An engine-wide edit: from the next admitted request on, every request runs it."""
+        env = codec.parse_envelope(raw)
+        guards.refuse_integer_writes(env, self.integer_inputs)
+        self.edits[edit_id] = (name, env)
+
+
+    def clear_edits(self, edit_ids: list[str] | None = None) -> int:
+        for edit_id in list(self.edits) if edit_ids is None else edit_ids:
+            self.edits.pop(edit_id, None)
+        return len(self.edits)
+
+
+    def _to_device(self, value: Any) -> Any:
+        """Tensors the block brought along (a steering vector built on a laptop) go to
+        the engine's device, so ``output += v`` works wherever the client ran."""
+        return map_tensors(value, lambda t: t.to(self.device) if t.device != self.device else t)
+
+
+    @functools.cached_property
+    def integer_inputs(self) -> frozenset[str]:
+        """Module paths whose input is an index tensor (see :mod:`.guards`)."""
+        return frozenset(guards.table(self.model)["integer_inputs"])
+
+
+    def _admit_spec(self, session: RequestSession, env: dict[str, Any], batch_index: int | None,
+                    max_tokens: int | None = None) -> None:
+        from functools import partial
+
+        from .spec_runner import run_spec
+
+        guards.refuse_integer_writes(env, self.integer_inputs)
+        env = self.batched.with_caches(env, self.expand_cache)
+        session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
+        if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
+            env = self.batched.for_request(env, max_tokens)
+            self.batched.add(session, env, batch_index)
+            cache.bind(session, env)
+            session.batched = True
+            session.batched_reads = batched.reads(env)
+            session.prefill_reads = batched.prefill_reads(env)
+            session.prompt_only = batched.prompt_only(env)
+            session.last_step = batched.last_step(env)
+            session.replayable = batched.replayable(env)
+            session.edits = batched.edits(env)
+            session.wait = Wait("step", 1 << 62)
+            if self.eager:
+                for op in env["ops"]:
+                    if "module" in op:
+                        self.ensure_hook(self.envoy_at(op["module"])._module, op.get("io", "output"))
+            return
+        for expansion in env.get("caches", ()):  # (their reads run batched; the spec's other ops here)
+            session.namespace[expansion.name] = cache.attach(self, session, expansion, 1 << 20)
+        session.namespace.update(
+            model=self.root,
+            tracer=self.tracer,
+            __nnsight_run_spec__=partial(run_spec, ops=[op for op in env["ops"] if not op.get("late")],
+                                         session=session, inter=self),
+        )
+
+
+    def cache_for(self, session: RequestSession, op: dict[str, Any]) -> cache.ModuleCache:
+        """``tracer.cache()`` in a block that runs as code."""
+        from ..payload import spec
+
+        spec.validate({"v": 1, "kind": "spec", "ops": [op]})
+        return cache.attach(self, session, self.expand_cache(op), 1 << 20)
+
+
+    def envoy_at(self, path: str) -> WorkerEnvoy:
+        """The envoy of a dotted module path (``model.layers.1.mlp``)."""
+        envoy = self.root
+        for part in path.split(".") if path else ():  # submodules only (a module may be named "output")
+            if part not in envoy._module._modules:
+                names = ", ".join(envoy._module._modules) or "(no submodules)"
+                raise AttributeError(f"{path!r} is not a module of this model; "
+                                     f"{envoy._path or 'the model'} has submodules: {names}")
+            envoy = envoy._child(part)
+        return envoy
+
+
+    def module_rank(self, path: str) -> int:
+        """Position of a module in registration order (forward order for decoders)."""
+        if self._ranks is None:
+            self._ranks = {name: i for i, (name, _) in enumerate(self.model.named_modules())}
+        if path not in self._ranks:
+            self.envoy_at(path)  # raises with the available names
+        return self._ranks.get(path, 0)
+
+
+    def _resolver(self) -> Callable[[tuple], Any]:
+        def resolve(ref: tuple) -> Any:
+            kind = ref[0]
+            if kind == "model":
+                return self.root
+            if kind == "tracer":
+                return self.tracer
+            if kind == "envoy":
+                return self.envoy_at(ref[1])
+            raise codec.PayloadError(f"unknown reference {ref!r}")
+
+        return resolve
