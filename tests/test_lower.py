@@ -10,7 +10,7 @@ from conftest import HFRun, assert_close, bit_identical_in_some_try
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, make_payload, results
-from vllm_nnsight_plugin.engine import batched
+from vllm_nnsight_plugin.engine import plan_ops
 
 
 def test_a_value_that_is_not_the_annotated_structure_is_refused_naming_the_fix():
@@ -18,15 +18,15 @@ def test_a_value_that_is_not_the_annotated_structure_is_refused_naming_the_fix()
     return one tensor): a lowered op then fails its request rather than index the
     value otherwise."""
     op = {"op": "read", "name": "x", "module": "model.layers.0", "index": 0, "structure": 2}
-    batched.check_structure(op, (torch.zeros(2, 4), torch.zeros(2, 4)))
+    plan_ops.check_structure(op, (torch.zeros(2, 4), torch.zeros(2, 4)))
     with pytest.raises(TypeError, match="is a Tensor, not a tuple of 2 tensors.*nnsight_lower"):
-        batched.check_structure(op, torch.zeros(2, 4))
+        plan_ops.check_structure(op, torch.zeros(2, 4))
     with pytest.raises(TypeError, match=r"a tuple of \(Tensor, NoneType\)"):
-        batched.check_structure(op, (torch.zeros(2, 4), None))
+        plan_ops.check_structure(op, (torch.zeros(2, 4), None))
     with pytest.raises(TypeError, match="is a tuple .* not a tensor"):
-        batched.check_structure({**op, "structure": 0}, (torch.zeros(2, 4), torch.zeros(2, 4)))
-    batched.check_structure({"op": "read", "name": "x", "module": "m"}, None)  # a user's spec: no check here
-    assert batched._code_fits(op, "(TT") and not batched._code_fits(op, "T") and not batched._code_fits(op, "(TN")
+        plan_ops.check_structure({**op, "structure": 0}, (torch.zeros(2, 4), torch.zeros(2, 4)))
+    plan_ops.check_structure({"op": "read", "name": "x", "module": "m"}, None)  # a user's spec: no check here
+    assert plan_ops._code_fits(op, "(TT") and not plan_ops._code_fits(op, "T") and not plan_ops._code_fits(op, "(TN")
 
 
 def test_the_per_request_switch_reads_as_the_openai_server_passes_it():

@@ -17,18 +17,32 @@ Results, errors and the request lifecycle still go through the request's
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..payload.spec import is_single
-from . import arith, lanes, taps
+from . import arith, lanes
 from .cache import Dropped
 from .guards import check_writable
 from .host import host_copy, put_rows
+from .lane_plans import LanePlans
+from .plan_ops import (
+    LOGITS,
+    Entry,
+    Rows,
+    _chunk_rows,
+    _flat,
+    _gathered,
+    _one_row,
+    _per_token_tensor,
+    _view,
+    _where,
+    check_structure,
+    is_due,
+)
 from .rowlog import RowLog
-from .spec_runner import absolute_rows, pick_index, read_value
+from .spec_runner import absolute_rows, read_value
 
 if TYPE_CHECKING:
     from .interleave import Interleaver
@@ -36,7 +50,6 @@ if TYPE_CHECKING:
 
 EDIT_OPS = ("add", "scale", "zero", "set")
 READ_OPS = ("read", "logits")
-LOGITS = ("logits",)  # the location key of the logits rows (one per request, before sampling)
 
 
 def _batchable(op: dict[str, Any]) -> bool:
@@ -85,16 +98,7 @@ def prompt_only(env: dict[str, Any]) -> bool:
     return all(op["op"] in READ_OPS and is_single(op) for op in env["ops"])
 
 
-@dataclass
-class Entry:
-    session: RequestSession
-    op: dict[str, Any]
-    number: int  # position in the spec (order within a location, error messages)
-    block: int  # position of the spec among the request's blocks (edits first)
-    seq: int  # the op's first admission: identical ops share it; groups apply in this order
-
-
-class BatchedEdits:
+class BatchedEdits(LanePlans):
     """Registry of batched edits per location, applied when the location is served."""
 
     def __init__(self, inter: Interleaver):
@@ -284,164 +288,6 @@ class BatchedEdits:
         return out
 
 
-    # ------------------------------------------------------------ lanes
-    def lanes_cover(self, num_tokens: int) -> bool:
-        """Whether the lanes can serve every batched spec in a step of ``num_tokens``
-        (then the step needs no Python in the forward and may replay a full graph)."""
-        if not lanes.enabled() or num_tokens > lanes.capacity():
-            return False
-        if self._cover[0] != self._version:  # (logits are read after the forward: no lanes needed)
-            self._cover = (self._version, all(self._lane_groups(key, None) is not None
-                                              for key in self.at if key != LOGITS))
-        return self._cover[1]
-
-    def fill_lanes(self, layout: Any) -> None:
-        """Before the forward: each laneable location's slot per row and slot tables.
-        A step with the same rows as the last (decode steps of a steady batch) and no
-        change to the entries keeps the last step's tables, no per-request work."""
-        self._fill_lanes(layout)
-        lanes.settle()
-
-    def _fill_lanes(self, layout: Any) -> None:
-        self.laned = {}
-        if not self.at or not lanes.enabled() or layout.num_tokens > lanes.capacity():
-            return
-        memo = self._fill_memo
-        if memo is not None and memo[0] == self._version and memo[1] == layout.num_tokens \
-                and (memo[2] is layout.spans or memo[2] == layout.spans):
-            for key, (parts, code, reads, tables, read_parts) in memo[3].items():
-                for part, table in tables:
-                    parts[part].set_table(table)
-                for part in read_parts:
-                    parts[part].reading = True
-                self.laned[key] = (parts, code, reads)
-            return
-        filled: dict[tuple, tuple] = {}
-        steady = True  # and no request at its first step (what is due changes after it)
-        for key in self.at:
-            if key == LOGITS:
-                continue
-            plan = self._lane_groups(key, layout)
-            if plan is None:
-                continue
-            parts, code, edits, reads = plan
-            tables = []
-            try:
-                for part, groups in edits.items():
-                    lane = parts[part]
-                    ops = tuple(entry.op for _, entry, _, _ in groups)
-                    if len(ops) != len(lane.slot_keys) or any(a is not b for a, b in zip(ops, lane.slot_keys)):
-                        lane.slot_keys = ()
-                        for slot, op in enumerate(ops, 1):
-                            value = self._value(op, lane.read) if op["op"] in ("add", "set") else None
-                            lane.set_slot(slot, op["op"], value, float(op.get("factor", 1.0)))
-                        lane.slot_keys = ops
-                    tables.append((part, lane.set_rows([(start, end, slot) for slot, (_, _, spans, _)
-                                                        in enumerate(groups, 1) for start, end in _flat(spans)])))
-            except Exception as exc:  # noqa: BLE001 - a bad value ends the requests that sent it
-                for groups in edits.values():
-                    for _, entry, _, sessions in groups:
-                        for session in sessions:
-                            session.fail(f"{_where(entry)}: {exc}")
-                for lane in parts:
-                    lane.done()
-                steady = False
-                continue
-            read_parts = [part for _, entry, _, _ in reads for part in self._read_parts(entry.op, code)]
-            for part in read_parts:
-                parts[part].reading = True
-            self.laned[key] = (parts, code, reads)
-            filled[key] = (parts, code, reads, tables, read_parts)
-        spans = layout.spans
-        # (an op due at some steps only may be due now and not next step: never reuse then)
-        steady = steady and not any((e.session.step == 0 and e.session.req_id in spans)
-                                    or isinstance(e.op.get("steps"), list)
-                                    for entries in self.at.values() for e in entries)
-        # (a layout's spans are never changed once published: keep the dict itself)
-        self._fill_memo = (self._version, layout.num_tokens, layout.spans, filled) if steady else None
-
-    def finish_lanes(self, layout: Any) -> None:
-        """After the forward: lane reads to the host (as :meth:`_read`), lanes reset."""
-        laned, self.laned = self.laned, {}
-        for key, (parts, code, reads) in laned.items():
-            self.served.add(key)
-            lanes.STATS["lane"] += 1
-            if lanes.take_failed(self.inter.lane_site_name(key)):
-                for entry in self.at.get(key, ()):
-                    if entry.session.active and entry.session.req_id in layout.spans:
-                        entry.session.fail(f"{_where(entry)}: the tap's batched kernels failed this step "
-                                           "(see the server log)")
-            elif reads:
-                value = taps.rebuild(code, [lane.read[: layout.num_tokens] for lane in parts])
-                for _, entry, spans, sessions in reads:
-                    try:
-                        self._read(entry.op, value, spans, sessions, layout.num_tokens)
-                    except Exception as exc:  # noqa: BLE001 - as in apply
-                        for session in sessions:
-                            session.fail(f"{_where(entry)}: {exc}")
-            for lane in parts:
-                lane.done()
-
-    @staticmethod
-    def _read_parts(op: dict[str, Any], code: str) -> list[int]:
-        if op.get("index") is None:
-            return list(range(code.count("T")))
-        part = lanes.part_of(code, op["index"])
-        return [] if part is None else [part]
-
-    def _lane_groups(self, key: tuple, layout: Any) -> tuple | None:
-        """How the lanes serve a location's entries this step (``layout`` None: any
-        step): ``(parts, code, edits per part, reads)``, each group's rows picked as
-        in :meth:`_pick`, or None when they cannot (see :meth:`_lane_plan`). The plan
-        is cached until the entries change; a step only picks its rows."""
-        cached = self._lane_cache.get(key)
-        if cached is None or cached[0] != self._version:
-            cached = self._lane_cache[key] = (self._version, self._lane_plan(key))
-        plan = cached[1]
-        if plan is None or layout is None:
-            return plan
-        parts, code, edits, reads = plan
-        step_edits = {part: picked for part, groups in edits.items() if (picked := self._pick(groups, layout))}
-        return parts, code, step_edits, self._pick(reads, layout)
-
-    def _lane_plan(self, key: tuple) -> tuple | None:
-        """The lanes' plan for a location's active entries, or None when they cannot
-        serve them: no lanes there, two edits of one request's tensor, a read
-        ordered before an edit of its tensor, more than lanes.SLOTS distinct edits, a
-        value split across tensor-parallel ranks (the tap op's Python puts it together)."""
-        found = self.inter.lane_site(key)
-        if found is None or self.inter.splits.of(key) is not None:
-            return None
-        parts, code = found
-        if any(lane is None for lane in parts):
-            return None
-        if any(not _code_fits(entry.op, code) for _, entry, _ in self._groups(key)):
-            return None  # (then the Python path fails the op, naming the mismatch)
-        edits: dict[int, list[tuple]] = {}
-        reads: list[tuple] = []
-        read_parts: set[int] = set()
-        edited: set[tuple[int, str]] = set()
-        for group in self._groups(key):
-            _, entry, sessions = group
-            if entry.op["op"] == "read":
-                touched = self._read_parts(entry.op, code)
-                if not touched:
-                    return None
-                read_parts.update(touched)
-                reads.append(group)
-                continue
-            part = lanes.part_of(code, entry.op.get("index"))
-            if part is None or part in read_parts or not parts[part].read.is_floating_point():
-                return None  # (an integer tensor: the Python path refuses the edit)
-            for session in sessions:
-                if (part, session.req_id) in edited:
-                    return None
-                edited.add((part, session.req_id))
-            edits.setdefault(part, []).append(group)
-            if len(edits[part]) > lanes.SLOTS:
-                return None
-        return parts, code, edits, reads
-
     def check_reached(self, layout: Any) -> None:
         """End of step: an edit whose location the forward never served did not apply
         (say so, as for a block), e.g. ``lm_head`` (vLLM applies it in compute_logits)."""
@@ -559,118 +405,3 @@ class BatchedEdits:
                                  "to every row of the request")
             cached = self._values[key] = (op, value)
         return cached[1]
-
-
-def check_structure(op: dict[str, Any], value: Any) -> None:
-    """An op of a lowered block (engine/lower.py) assumed its module returns
-    ``structure`` (0: one tensor, N: a tuple of N tensors), from the forward's
-    annotation: refuse a value that is not that, rather than index it otherwise."""
-    want = op.get("structure")
-    if want is None:
-        return
-    if want == 0:
-        fits = isinstance(value, torch.Tensor)
-    else:
-        fits = type(value) is tuple and len(value) == want and all(isinstance(v, torch.Tensor) for v in value)
-    if not fits:
-        got = f"a tuple of ({', '.join(type(v).__name__ for v in value)})" if isinstance(value, tuple) \
-            else f"a {type(value).__name__}"
-        said = "a tensor" if want == 0 else f"a tuple of {want} tensors"
-        raise TypeError(f"{op['module']}.output is {got}, not {said} as its forward's annotation says; the "
-                        "block ran as a batched spec on that annotation: send it with extra_args "
-                        "{'nnsight_lower': False} to run it as code")
-
-
-def _code_fits(op: dict[str, Any], code: str) -> bool:
-    """Whether a tap site's value (its code, see taps.rebuild) is the op's ``structure``."""
-    want = op.get("structure")
-    return want is None or code == ("T" if want == 0 else "(" + "T" * want)
-
-
-def _where(entry: Entry) -> str:
-    """How an error names the op: ``ops[N] (add model.layers.8)``."""
-    return f"ops[{entry.number}] ({entry.op['op']} {entry.op.get('module', 'logits')})"
-
-
-def is_due(op: dict[str, Any], step: int) -> bool:
-    steps = op.get("steps", "prefill")
-    if steps == "all":
-        return True
-    if steps == "prefill":
-        return step == 0
-    if steps == "generated":
-        return step != 0
-    return step in _step_set(steps)
-
-
-_STEP_SETS: dict[int, tuple[list[int], frozenset[int]]] = {}
-
-
-def _step_set(steps: list[int]) -> frozenset[int]:
-    """An explicit step list as a set (once per list: a payload's ops are shared)."""
-    known = _STEP_SETS.get(id(steps))
-    if known is None or known[0] is not steps:
-        if len(_STEP_SETS) > 4096:
-            _STEP_SETS.clear()
-        known = _STEP_SETS[id(steps)] = (steps, frozenset(steps))
-    return known[1]
-
-
-def _chunk_rows(span: tuple[int, int], positions: list[int] | int, chunk: tuple[int, int, bool]) -> Rows:
-    """The rows of ``positions`` (counted in the whole prompt) in this chunk of it."""
-    computed, prompt_len, _ = chunk
-    rows = absolute_rows(prompt_len, positions)
-    return Rows(span[0] + q - computed for q in rows if computed <= q < computed + span[1] - span[0])
-
-
-class Rows(tuple):
-    """A request's rows an op picks with ``positions`` (row numbers in the batch)."""
-
-
-def _flat(spans: list[Any]) -> list[tuple[int, int]]:
-    """Spans and picked rows as ``(start, end)`` runs."""
-    out = []
-    for span in spans:
-        if isinstance(span, Rows):
-            out.extend((r, r + 1) for r in span)
-        else:
-            out.append(span)
-    return out
-
-
-def _gathered(op: dict[str, Any], value: Any, spans: list[Any], num_tokens: int) -> tuple[Any, list, int]:
-    """A read's picked rows of every request, gathered in request order: the value
-    to read, each request's span in it, and its row count."""
-    index = [r for span in spans for r in span]
-    local, at = [], 0
-    for span in spans:
-        local.append((at, at + len(span)))
-        at += len(span)
-
-    def pick(t: Any) -> Any:
-        t = _per_token_tensor({}, t, num_tokens)
-        return t.index_select(0, torch.tensor(index, device=t.device))
-
-    if isinstance(value, (tuple, list)):  # (every tensor: index picks one afterwards)
-        return type(value)(pick(v) if isinstance(v, torch.Tensor) else v for v in value), local, len(index)
-    return pick(value), local, len(index)
-
-
-def _view(rows: torch.Tensor, start: int, end: int, op: dict[str, Any]) -> torch.Tensor:
-    """A request's rows of a read; one picked position (an int) drops the row dimension."""
-    return rows[start] if _one_row(op) else rows[start:end]
-
-
-def _one_row(op: dict[str, Any]) -> bool:
-    """The op picks one position (an int): its value per step is that row, a vector."""
-    return isinstance(op.get("positions"), int)
-
-
-def _per_token_tensor(op: dict[str, Any], value: Any, num_tokens: int) -> torch.Tensor:
-    value = pick_index(value, op.get("index"))
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"the value is a {type(value).__name__}: set 'index'")
-    if value.dim() == 0 or value.shape[0] != num_tokens:
-        raise ValueError(f"the value (shape {tuple(value.shape)}) has no row per token of the batch "
-                         f"({num_tokens}): it cannot be split per request")
-    return value

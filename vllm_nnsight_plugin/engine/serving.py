@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import batched, guards, lanes, shards, taps
+from . import guards, lanes, plan_ops, shards, taps
 from .rows import _per_token, assign_into, narrow
 from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait
 from .tree import leaves
@@ -285,7 +285,7 @@ class ValueServing:
         spans = self.layout.spans
         for entry in self.batched.at.get(key, ()):
             session = entry.session
-            if session.active and session.req_id in spans and batched.is_due(entry.op, session.step):
+            if session.active and session.req_id in spans and plan_ops.is_due(entry.op, session.step):
                 return True
         return any(s.wait is not None and s.wait.key == key and s.wait.step == s.step and s.req_id in spans
                    for s in self.waiters.get(key, ()))
