@@ -87,7 +87,7 @@ def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: d
                seconds: float = record.RECORD_TIME_S) -> Lowered | Fallback:
     """Record the block (its values loaded through :func:`recorder`'s resolver), for
     at most ``seconds``."""
-    from .session import compile_block
+    from .block_source import compile_block
 
     try:
         code = compile_block(source, filename, lineno)

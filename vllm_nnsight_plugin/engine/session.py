@@ -8,7 +8,6 @@ forward's thread, one block at a time, so no locks and no nondeterminism.
 
 from __future__ import annotations
 
-import ast
 import builtins
 import traceback
 from collections.abc import Callable
@@ -18,10 +17,12 @@ from typing import TYPE_CHECKING, Any
 import greenlet
 import torch
 
+from .block_source import compile_block
 from .budget import BlockTimeout
 from .cache import ModuleCache
 from .host import host_copy
 from .rowlog import RowLog
+from .saved import copy_value, saved_containers
 from .tree import leaves, map_tensors
 
 if TYPE_CHECKING:
@@ -69,123 +70,6 @@ class Serving:
     step: int
     value: Any
     assign: Callable[[Any], None]
-
-
-class _BlockRewriter(ast.NodeTransformer):
-    """``x.save()`` -> ``__nnsight_save__(x)``: save works on any object. And
-    nnsight's ``with`` spelling of a step loop (``with tracer.iter[0:3]:``, ``with
-    tracer.iter[:] as it:``, ``with tracer.all():``) -> the ``for`` loop it means:
-    the body runs at each of those steps, ``it`` the step number."""
-
-    def visit_With(self, node: ast.With) -> Any:
-        self.generic_visit(node)
-        if len(node.items) != 1 or not _is_step_loop(node.items[0].context_expr):
-            return node
-        target = node.items[0].optional_vars or ast.Name("__nnsight_step__", ast.Store())
-        if not isinstance(target, (ast.Name, ast.Tuple, ast.List, ast.Attribute, ast.Subscript)):
-            return node
-        return ast.copy_location(ast.For(target=target, iter=node.items[0].context_expr, body=node.body,
-                                         orelse=[]), node)
-
-    def visit_Call(self, node: ast.Call) -> Any:
-        self.generic_visit(node)
-        func = node.func
-        if isinstance(func, ast.Attribute) and func.attr == "save" and not node.args and not node.keywords:
-            return ast.copy_location(
-                ast.Call(ast.Name("__nnsight_save__", ast.Load()), [func.value], []), node
-            )
-        return node
-
-
-def _is_step_loop(node: ast.expr) -> bool:
-    """``<name>.iter[...]`` or ``<name>.all()``."""
-    if isinstance(node, ast.Subscript):
-        return isinstance(node.value, ast.Attribute) and node.value.attr == "iter" \
-            and isinstance(node.value.value, ast.Name)
-    return isinstance(node, ast.Call) and not node.args and not node.keywords \
-        and isinstance(node.func, ast.Attribute) and node.func.attr == "all" and isinstance(node.func.value, ast.Name)
-
-
-_CODE_CACHE: dict[tuple, Any] = {}
-
-
-def compile_block(source: str, filename: str, lineno: int) -> Any:
-    key = (source, filename, lineno)
-    code = _CODE_CACHE.get(key)
-    if code is None:
-        tree = ast.parse(source, filename)
-        ast.increment_lineno(tree, lineno - 1)
-        tree = ast.fix_missing_locations(_BlockRewriter().visit(tree))
-        code = compile(tree, filename, "exec")
-        if len(_CODE_CACHE) > 256:
-            _CODE_CACHE.clear()
-        _CODE_CACHE[key] = code
-    return code
-
-
-def copy_value(value: Any, owned: Callable[[torch.Tensor], bool] | None = None) -> Any:
-    """A private copy of what is saved: vLLM's kernels overwrite buffers later. A
-    tensor the block made itself (``owned``, e.g. ``out[0] + out[1]``) is kept as is:
-    one device copy less per saved tensor per step."""
-    if owned is None:
-        return map_tensors(value, lambda t: t.detach().clone())
-    return map_tensors(value, lambda t: t.detach() if owned(t) else t.detach().clone())
-
-
-class SavedList(list):
-    """A list a block saved: a tensor put into it later is kept as a copy, as ``.save()``
-    copies (vLLM's kernels write into their buffers in place later in the step, e.g. the
-    next layer's fused residual add and norm into this layer's output)."""
-
-    def __init__(self, items: Any = (), copy: Callable[[Any], Any] = lambda v: v):
-        super().__init__(items)
-        self._copy = copy
-
-    def append(self, value: Any) -> None:
-        super().append(self._copy(value))
-
-    def extend(self, values: Any) -> None:
-        super().extend(self._copy(v) for v in values)
-
-    def insert(self, index: Any, value: Any) -> None:
-        super().insert(index, self._copy(value))
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        super().__setitem__(index, [self._copy(v) for v in value] if isinstance(index, slice) else self._copy(value))
-
-    def __iadd__(self, values: Any) -> SavedList:
-        self.extend(values)
-        return self
-
-
-class SavedDict(dict):
-    """A dict a block saved: values put into it later are kept as copies (see SavedList)."""
-
-    def __init__(self, items: Any = (), copy: Callable[[Any], Any] = lambda v: v):
-        super().__init__(items)
-        self._copy = copy
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, self._copy(value))
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        if key not in self:
-            self[key] = default
-        return self[key]
-
-
-def saved_containers(value: Any, copy: Callable[[Any], Any]) -> Any:
-    """``value`` with its lists and dicts (nested too) as Saved ones that copy what is
-    put into them; the rest as it is."""
-    if isinstance(value, list) and not isinstance(value, SavedList):
-        return SavedList((saved_containers(v, copy) for v in value), copy)
-    if isinstance(value, dict) and not isinstance(value, SavedDict):
-        return SavedDict(((k, saved_containers(v, copy)) for k, v in value.items()), copy)
-    return value
 
 
 def engine_error(message: str, lineno: int | None = None, line: str = "",

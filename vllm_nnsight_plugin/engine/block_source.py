@@ -1,0 +1,60 @@
+"""A block's source made runnable: nnsight's ``with tracer.iter[...]:`` /
+``with tracer.all():`` step loops rewritten as ``for`` loops, compiled with the
+user's file name and line numbers (so tracebacks and ``ran_as`` name the user's lines)."""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+
+class _BlockRewriter(ast.NodeTransformer):
+    """``x.save()`` -> ``__nnsight_save__(x)``: save works on any object. And
+    nnsight's ``with`` spelling of a step loop (``with tracer.iter[0:3]:``, ``with
+    tracer.iter[:] as it:``, ``with tracer.all():``) -> the ``for`` loop it means:
+    the body runs at each of those steps, ``it`` the step number."""
+
+    def visit_With(self, node: ast.With) -> Any:
+        self.generic_visit(node)
+        if len(node.items) != 1 or not _is_step_loop(node.items[0].context_expr):
+            return node
+        target = node.items[0].optional_vars or ast.Name("__nnsight_step__", ast.Store())
+        if not isinstance(target, (ast.Name, ast.Tuple, ast.List, ast.Attribute, ast.Subscript)):
+            return node
+        return ast.copy_location(ast.For(target=target, iter=node.items[0].context_expr, body=node.body,
+                                         orelse=[]), node)
+
+    def visit_Call(self, node: ast.Call) -> Any:
+        self.generic_visit(node)
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "save" and not node.args and not node.keywords:
+            return ast.copy_location(
+                ast.Call(ast.Name("__nnsight_save__", ast.Load()), [func.value], []), node
+            )
+        return node
+
+
+def _is_step_loop(node: ast.expr) -> bool:
+    """``<name>.iter[...]`` or ``<name>.all()``."""
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.value, ast.Attribute) and node.value.attr == "iter" \
+            and isinstance(node.value.value, ast.Name)
+    return isinstance(node, ast.Call) and not node.args and not node.keywords \
+        and isinstance(node.func, ast.Attribute) and node.func.attr == "all" and isinstance(node.func.value, ast.Name)
+
+
+_CODE_CACHE: dict[tuple, Any] = {}
+
+
+def compile_block(source: str, filename: str, lineno: int) -> Any:
+    key = (source, filename, lineno)
+    code = _CODE_CACHE.get(key)
+    if code is None:
+        tree = ast.parse(source, filename)
+        ast.increment_lineno(tree, lineno - 1)
+        tree = ast.fix_missing_locations(_BlockRewriter().visit(tree))
+        code = compile(tree, filename, "exec")
+        if len(_CODE_CACHE) > 256:
+            _CODE_CACHE.clear()
+        _CODE_CACHE[key] = code
+    return code
