@@ -39,17 +39,10 @@ class Admission:
                                         kept_code=kept_code, max_tokens=max_tokens))
         if blocks:
             self._epoch += 1
-            self.sessions[req_id] = blocks
+            self.requests.admitted(req_id, blocks, params, every_step=bool(
+                extra.get(codec.STREAM_KEY) or getattr(params, "stop", None) or params is None))
             # how each block runs, reported once on the request's output (RequestOutput.ran_as)
             self.results.setdefault(req_id, {})["ran_as"] = "; ".join(b.ran_as for b in blocks)
-            self.traced.add(req_id)
-            if not all(b.batched for b in blocks):
-                self.coded.add(req_id)
-            if any(b.batched_reads or not b.batched for b in blocks):
-                self.stepwise.add(req_id)
-            self.params[req_id] = params
-            if extra.get(codec.STREAM_KEY) or getattr(params, "stop", None) or params is None:
-                self.report_every_step.add(req_id)
             if any(b.error for b in blocks):
                 self._record(req_id)
 

@@ -20,6 +20,7 @@ from . import batched, budget, cache, finite_logits, host, lanes, lower, shards,
 from .admission import Admission
 from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
+from .requests import TracedRequests
 from .rows import StepLayout
 from .serving import ValueServing
 from .session import RequestSession, engine_error, to_host
@@ -57,13 +58,7 @@ class Interleaver(Admission, ValueServing):
         self.finite = finite_logits.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
         self._guard_memo: list | None = None  # [epoch, rows, traced ids, their rows' index, steps to a last step]
-        self.sessions: dict[str, list[RequestSession]] = {}  # edit copies first, own block last
-        self.traced: set[str] = set()  # requests admitted with blocks, until vLLM finishes them
-        self.params: dict[str, Any] = {}  # their SamplingParams (V2's runner keeps none)
-        # requests whose state the scheduler needs every step (stop strings end them in the
-        # front end; streams ship each step); others report only when something changed
-        self.report_every_step: set[str] = set()
-        self._reported: dict[str, tuple] = {}
+        self.requests = TracedRequests()
         self._served: set[int] | None = set()  # storages served to blocks (see owns)
         self._lane_keys: dict[tuple, str] = {}  # location key -> tap site with lanes
         self._ancestor_cache: dict[int, list[torch.nn.Module]] = {}
@@ -75,13 +70,6 @@ class Interleaver(Admission, ValueServing):
         self.results: dict[str, dict[str, Any]] = {}
         self._unshipped: dict[str, list[RequestSession]] = {}  # requests with a fresh snapshot...
         self._moving: list[RequestSession] = []  # ...whose blocks' snapshots are still on the device
-        self.coded: set[str] = set()  # requests with a block that runs (not only batched specs)
-        # requests that may park between steps (a block, or a batched read): only these
-        # need the runner's finish prediction each step; steering alone never does
-        self.stepwise: set[str] = set()
-        # requests whose blocks are all over having only read the prompt (no edit): a
-        # recompute of their forward changes nothing they did
-        self.read_only_done: set[str] = set()
         self._parents: dict[int, torch.nn.Module] | None = None
         self._ranks: dict[str, int] | None = None
         # a step in which every traced request only advanced its batched specs' step
@@ -92,24 +80,26 @@ class Interleaver(Admission, ValueServing):
         self._quiet: tuple[int, dict, list[RequestSession]] | None = None
         self._chunks: dict[str, tuple[int, int, bool]] = {}  # prompts split this step (see prompt_split)
 
+    # the traced requests' state, read here; changed only by self.requests (TracedRequests)
+    sessions = property(lambda self: self.requests.sessions)
+    traced = property(lambda self: self.requests.traced)
+    params = property(lambda self: self.requests.params)
+    coded = property(lambda self: self.requests.coded)
+    stepwise = property(lambda self: self.requests.stepwise)
+    report_every_step = property(lambda self: self.requests.report_every_step)
+    read_only_done = property(lambda self: self.requests.read_only_done)
+
     def finish(self, req_ids: set[str] | list[str]) -> None:
         if any(r in self.traced or r in self.sessions for r in req_ids):
             self._epoch += 1  # (an untraced request's end leaves the steady batch as it was)
         coded = any(r in self.coded for r in req_ids)
         for req_id in req_ids:
-            for session in self.sessions.pop(req_id, ()):
+            for session in self.requests.forget(req_id):
                 self._unwait(session)
                 session.ended = True  # batched edits drop it on the next prune
                 session.release()
             self.results.pop(req_id, None)
             self._unshipped.pop(req_id, None)
-            self.traced.discard(req_id)
-            self.coded.discard(req_id)
-            self.stepwise.discard(req_id)
-            self.read_only_done.discard(req_id)
-            self.params.pop(req_id, None)
-            self.report_every_step.discard(req_id)
-            self._reported.pop(req_id, None)
         if coded:
             self.trimmer.after_requests()
 
@@ -263,15 +253,10 @@ class Interleaver(Admission, ValueServing):
                     session.over()  # its last step is done (prompt reads ship now); later steps skip it
             self._record(req_id)
             if not any(s.active for s in blocks):  # results shipped: no more per-step work
-                for session in blocks:
+                for session in self.requests.blocks_over(req_id):
                     self._unwait(session)
                     session.release()
-                del self.sessions[req_id]
                 self._epoch += 1
-                self.coded.discard(req_id)
-                self.stepwise.discard(req_id)
-                if all(s.read_and_shipped for s in blocks):
-                    self.read_only_done.add(req_id)
         if advanced is not None and not self.batched.stale:
             self._quiet = (self._epoch, layout.spans, advanced)
 
@@ -340,11 +325,11 @@ class Interleaver(Admission, ValueServing):
             stop = stop or session.stopped
             nwarn += len(session.warnings)
         state = (error is not None, done, stop, nwarn)
-        if not fresh and req_id not in self.report_every_step and self._reported.get(req_id) == state \
+        if not fresh and req_id not in self.report_every_step and self.requests.reported.get(req_id) == state \
                 and req_id not in self.results:
             return  # nothing new for the scheduler this step
         warnings = [w for s in blocks for w in s.warnings]
-        self._reported[req_id] = state
+        self.requests.reported[req_id] = state
         entry = self.results.setdefault(req_id, {})
         if fresh:
             self._unshipped[req_id] = blocks  # moved to the CPU with the rest of the step's
