@@ -267,3 +267,28 @@ def test_a_step_range_covering_the_whole_request_runs_as_every_step():
     assert inter.batched.for_request(env, 3) is three and three["ops"][2] is ops[2]
     assert inter.batched.for_request(env, 4)["ops"][0]["steps"] == [0, 1, 2]
     assert inter.batched.for_request(env, None) is env
+
+
+def test_batched_and_recorded_steering_equal_hf(llama, hf_llama):
+    """The steering a batched spec applies, and the same steering written as nnsight code
+    (recorded into its plan), equal a Hugging Face fp32 forward steered the same way;
+    without the steering the logits differ."""
+    from conftest import HFRun, assert_close
+
+    llm = llama.vllm_entrypoint
+    spec = json.loads(_spec(VEC_A))
+    spec["ops"].append({"op": "logits", "name": "logits"})
+    params = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"nnsight": json.dumps(spec)})
+    as_spec = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    with llama.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
+        logits = list().save()
+        for _ in tracer.all():
+            llama.model.layers[1].output[0][:] += VEC_A
+            logits.append(llama.logits)
+    assert tracer.outputs[0].ran_as == "batched" and as_spec.ran_as == "batched"
+    ids = list(as_spec.prompt_token_ids)
+    steered = HFRun(hf_llama, ids).edit(hf_llama.model.layers[1], lambda h: h + VEC_A).logits()[-1]
+    assert_close(results(as_spec)["logits"], steered)
+    assert len(logits) == 1
+    assert_close(logits[0], steered)
+    assert (steered - HFRun(hf_llama, ids).logits()[-1]).abs().max() > 1e-2

@@ -1,13 +1,13 @@
 """A batched read's rows of one request across steps, kept where the step put them.
 
-A per-step read (``"steps": "all"``) of 256 requests used to leave a tensor view
-per request per step: 32 768 views for 128 steps, each a few microseconds to make
-and again to walk, measure and concatenate when the request ends, which is the
-step that ships everything. Here a step's rows for the whole batch go into a shared
-host block (:func:`.host.put_rows`) and each request only notes which rows are its
-own; when it ends, one ``index_select`` per block gathers them straight into the
-buffer that leaves the worker. To the client it is the same list of per-step
-tensors as before (``{"$tensors"}``, see :mod:`..payload.values`).
+A per-step read (``"steps": "all"``) of 256 requests would otherwise keep a tensor
+view per request per step: 32 768 views for 128 steps, each a few microseconds to
+make and again to walk, measure and concatenate when the request ends, which is the
+step that ships everything. Instead a step's rows for the whole batch go into a
+shared host block (:func:`.host.put_rows`) and each request only notes which rows
+are its own; when it ends, one ``index_select`` per block gathers them straight into
+the buffer that leaves the worker. To the client it is a list of per-step tensors
+(``{"$tensors"}``, see :mod:`..payload.values`).
 
 A value that is not one tensor per step (a tuple such as ``(hidden, residual)``
 read without ``index``) is kept as a list of per-step views.
