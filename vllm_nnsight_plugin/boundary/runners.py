@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .patching import _MARK, RUNNER_V2
 
@@ -67,14 +67,34 @@ def resumed_ids(scheduler_output: Any) -> set[str]:
     return set(getattr(cached, "resumed_req_ids", ()) or ())
 
 
-def v1_batch(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int, int]]:
-    """``(req_id, scheduled, computed_before, prompt_len)`` in flat-batch order."""
+class V1Row(NamedTuple):
+    """A request's part of a V1 runner step."""
+
+    req_id: str
+    scheduled: int  # tokens this step
+    computed: int  # tokens computed before it
+    prompt_len: int
+
+
+class V2Row(NamedTuple):
+    """A request's row of a Model Runner V2 step."""
+
+    req_id: str
+    start: int  # its first token's row of the flat batch
+    end: int
+    computed: int  # tokens computed before this step
+    prefill_len: int  # tokens to compute before it samples
+    prompt_len: int
+
+
+def v1_batch(runner: Any, scheduler_output: Any) -> list[V1Row]:
+    """The step's requests in flat-batch order."""
     sched = scheduler_output.num_scheduled_tokens
     out = []
     for req_id in runner.input_batch.req_ids:
         state = runner.requests[req_id]
         prompt = state.prompt_token_ids
-        out.append((req_id, sched[req_id], state.num_computed_tokens, len(prompt) if prompt is not None else 0))
+        out.append(V1Row(req_id, sched[req_id], state.num_computed_tokens, len(prompt) if prompt is not None else 0))
     return out
 
 
@@ -143,15 +163,14 @@ def v2_runner_module() -> Any:
     return sys.modules[RUNNER_V2[0]]
 
 
-def v2_batch(runner: Any, batch: Any) -> list[tuple[str, int, int, int, int, int]]:
-    """``(req_id, start, end, computed_before, prefill_len, prompt_len)`` per row of a
-    V2 ``InputBatch`` (its order is rebuilt every step: decodes first). Whole arrays
-    to Python at once: this runs every step over every row."""
+def v2_batch(runner: Any, batch: Any) -> list[V2Row]:
+    """Each row of a V2 ``InputBatch`` (its order is rebuilt every step: decodes
+    first). Whole arrays to Python at once: this runs every step over every row."""
     n = batch.num_reqs
     qsl = batch.query_start_loc_np[: n + 1].tolist()
     prompt = runner.req_states.prompt_len.np[batch.idx_mapping_np[:n]].tolist()
-    return list(zip(batch.req_ids[:n], qsl[:-1], qsl[1:], batch.num_computed_tokens_np[:n].tolist(),
-                    batch.prefill_len_np[:n].tolist(), prompt))
+    return list(map(V2Row._make, zip(batch.req_ids[:n], qsl[:-1], qsl[1:], batch.num_computed_tokens_np[:n].tolist(),
+                                     batch.prefill_len_np[:n].tolist(), prompt)))
 
 
 def v2_decode_ids(batch: Any) -> list[str] | None:
