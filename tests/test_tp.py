@@ -357,6 +357,45 @@ def test_partial_sums_are_summed_and_edits_of_them_land_once(ckpt_root):
         model.shutdown()
 
 
+# ------------------------------------------------------------------ replicated KV heads
+
+
+def test_replicated_kv_heads_are_read_and_edited_whole(ckpt_root):
+    """One KV head under tensor_parallel_size=2: both ranks hold it (vLLM replicates
+    it) and one query head each. The fused q/k/v output is served as the whole model's
+    ``[q of both heads, k, v]`` (plan and code), an edit of it lands on both ranks'
+    replicas, and everything equals HF fp32."""
+    import transformers
+
+    path = str(tiny.ensure("llama_mqa", ckpt_root))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _engine(path)
+    try:
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
+            planned = model.model.layers[0].self_attn.qkv_proj.output.save()
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1, **CODE) as tracer2:
+            as_code = model.model.layers[0].self_attn.qkv_proj.output[0].save()
+        assert tracer.outputs[0].ran_as == "batched" and tracer2.outputs[0].ran_as.startswith("code:")
+        ids = list(tracer.outputs[0].prompt_token_ids)
+        ref = layer0(hf, ids).run()
+        whole = torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1)
+        assert whole.shape[-1] == 2 * 64 + 64 + 64
+        assert_close(planned[0], whole)
+        assert_close(as_code, whole)
+
+        v = torch.linspace(-1, 1, 256)
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1, **CODE):
+            model.model.layers[0].self_attn.qkv_proj.output[0][:] += v
+            logits = model.logits.save()
+        attn = hf.model.layers[0].self_attn
+        steered = HF(hf, ids).edit(attn.q_proj, lambda o: o + v[:128]).edit(attn.k_proj, lambda o: o + v[128:192]) \
+            .edit(attn.v_proj, lambda o: o + v[192:]).run()
+        assert_close(logits, steered.logits[-1:])
+        assert (logits - HF(hf, ids).run().logits[-1:]).abs().max() > 1e-2
+    finally:
+        model.shutdown()
+
+
 # ------------------------------------------------------------------ pipeline parallel
 
 

@@ -21,7 +21,8 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
 ]
 
-KINDS = ("llama", "gpt2", "llama_gqa", "mixtral", "qwen2_moe")  # llama_gqa: 4 query heads, 2 KV heads
+KINDS = ("llama", "gpt2", "llama_gqa", "llama_mqa", "mixtral", "qwen2_moe")  # llama_gqa: 4 query heads,
+# 2 KV heads; llama_mqa: 2 query heads, 1 KV head (replicated on both ranks of tensor_parallel_size=2)
 VERSION = 2  # bump when the checkpoint recipe changes (cached builds are keyed by it)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -76,6 +77,14 @@ def build(kind: str, path: str | os.PathLike, layers: int = 4, hidden: int = 128
         config = transformers.LlamaConfig(
             vocab_size=vocab, hidden_size=hidden * 2, intermediate_size=hidden * 4,
             num_hidden_layers=layers, num_attention_heads=heads * 2, num_key_value_heads=heads,
+            head_dim=64, max_position_embeddings=1024, rms_norm_eps=1e-5,
+            bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False, torch_dtype="float32",
+        )
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "llama_mqa":  # one KV head: tensor_parallel_size=2 replicates it on both ranks
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
             head_dim=64, max_position_embeddings=1024, rms_norm_eps=1e-5,
             bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False, torch_dtype="float32",
         )

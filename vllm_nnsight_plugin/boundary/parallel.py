@@ -55,22 +55,25 @@ def tp_all_reduce(x: Any) -> Any:
     return tensor_model_parallel_all_reduce(x.clone())
 
 
-def shard_of(module: Any, io: str) -> tuple[str, tuple[int, ...] | str] | None:
+def shard_of(module: Any, io: str) -> tuple | None:
     """How a module's value is split across tensor-parallel ranks: ``("sharded",
     segments)`` along the last dimension, each rank holding its slice of every segment
     (``segments``: the local sizes, or ``"whole"``/``"halves"`` of the local value),
-    ``("partial", "sum")`` for a per-rank partial sum, None when every rank holds the
-    whole value. Raises for a layout it cannot put together (replicated KV heads)."""
+    with a third element, the ranks that hold each segment's same slice, when KV heads
+    are replicated (fewer KV heads than ranks); ``("partial", "sum")`` for a per-rank
+    partial sum; None when every rank holds the whole value."""
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     if isinstance(module, ColumnParallelLinear):
         if io != "output" or module.tp_size <= 1 or module.gather_output:
             return None
-        if getattr(module, "num_kv_head_replicas", 1) > 1:
-            raise NotImplementedError(
-                f"{type(module).__name__} under tensor parallel with fewer KV heads than ranks (replicated "
-                "KV heads) cannot be put back together: use a tensor_parallel_size that divides the KV heads")
-        return "sharded", tuple(int(s) for s in module.output_partition_sizes)
+        sizes = tuple(int(s) for s in module.output_partition_sizes)
+        replicas = int(getattr(module, "num_kv_head_replicas", 1) or 1)
+        if replicas > 1:  # fewer KV heads than ranks: each KV head is on `replicas` ranks in a row
+            if len(sizes) != 3:
+                raise NotImplementedError(f"{type(module).__name__}: replicated KV heads in {len(sizes)} segments")
+            return "sharded", sizes, (1, replicas, replicas)
+        return "sharded", sizes
     if isinstance(module, RowParallelLinear):
         if module.tp_size <= 1:
             return None

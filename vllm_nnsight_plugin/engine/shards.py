@@ -21,7 +21,7 @@ import torch
 
 from ..boundary import parallel
 
-Split = tuple[str, "tuple[int, ...] | str"]
+Split = tuple  # (kind, segments) or ("sharded", segments, replicas per segment)
 
 
 def _sizes(segments: tuple[int, ...] | str, local: int) -> tuple[int, ...]:
@@ -34,22 +34,29 @@ def _sizes(segments: tuple[int, ...] | str, local: int) -> tuple[int, ...]:
     return segments  # type: ignore[return-value]
 
 
-def _whole_sharded(x: torch.Tensor, sizes: tuple[int, ...], ranks: int) -> torch.Tensor:
+def _whole_sharded(x: torch.Tensor, sizes: tuple[int, ...], ranks: int,
+                   replicas: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The whole value: each segment's slices in rank order (a segment replicated on
+    ``f`` ranks in a row, as KV heads when there are fewer than ranks, once per group)."""
     gathered = parallel.tp_all_gather(x)  # [..., rank 0's segments, rank 1's, ...]
     per_rank = gathered.split(x.shape[-1], dim=-1)
     parts, offset = [], 0
-    for size in sizes:
-        parts.extend(p[..., offset : offset + size] for p in per_rank)
+    for i, size in enumerate(sizes):
+        step = replicas[i] if replicas else 1
+        parts.extend(p[..., offset : offset + size] for p in per_rank[::step])
         offset += size
     return torch.cat(parts, dim=-1)
 
 
-def _write_sharded(x: torch.Tensor, whole: torch.Tensor, sizes: tuple[int, ...], ranks: int, rank: int) -> None:
+def _write_sharded(x: torch.Tensor, whole: torch.Tensor, sizes: tuple[int, ...], ranks: int, rank: int,
+                   replicas: tuple[int, ...] | None = None) -> None:
     local = full = 0
-    for size in sizes:
-        x[..., local : local + size].copy_(whole[..., full + rank * size : full + (rank + 1) * size])
+    for i, size in enumerate(sizes):
+        step = replicas[i] if replicas else 1
+        slot = rank // step
+        x[..., local : local + size].copy_(whole[..., full + slot * size : full + (slot + 1) * size])
         local += size
-        full += ranks * size
+        full += (ranks // step) * size
 
 
 def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False) -> tuple[Any, Callable[[], None]]:
@@ -67,13 +74,14 @@ def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False
     x = value[0] if element is not None else value
     if not isinstance(x, torch.Tensor):
         return value, lambda: None
-    kind, segments = split
+    kind, segments, *more = split
+    replicas = more[0] if more else None
     if kind == "partial":
         whole = parallel.tp_all_reduce(x)
         before = whole.clone()
     else:
         sizes = _sizes(segments, x.shape[-1])
-        whole = _whole_sharded(x, sizes, ranks)
+        whole = _whole_sharded(x, sizes, ranks, replicas)
     served = (whole, *value[1:]) if element is not None else whole
 
     def write_back() -> None:  # (inference tensors keep no version counter: always, a copy)
@@ -81,7 +89,7 @@ def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False
             if rank == 0:
                 x.add_(whole - before)
         else:
-            _write_sharded(x, whole, sizes, ranks, rank)
+            _write_sharded(x, whole, sizes, ranks, rank, replicas)
 
     return served, write_back
 
