@@ -3,7 +3,7 @@
 # and this package, then runs what is asked:
 #   bash benchmarks/gpu/remote.sh tests      parity/taps tests on CUDA (NNSIGHT_GPU_TESTS picks files)
 #   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
-#   bash benchmarks/gpu/remote.sh user_way [--reps N]   one trace, 256 invokes, default settings + taps
+#   bash benchmarks/gpu/remote.sh user_way [--seconds S] [--pin]   one trace, 256 invokes, default settings + taps
 #   bash benchmarks/gpu/remote.sh profile [--taps] [--v1] [every_token_spec ...]
 #   bash benchmarks/gpu/remote.sh anchors     nnsight 0.8.1 taps (anchor harness) + stock graphs
 #   bash benchmarks/gpu/remote.sh stage       only stage (then STAGED=1 for runs side by side)

@@ -6,14 +6,17 @@ prompts every round, ``VLLM(path, taps=[...])`` with vLLM's default engine
 settings (chunked prefill and prefix caching on), beside stock vLLM with CUDA
 graphs on the same prompts in the same run. Each engine lives in its own process.
 The lent machine's speed drifts by tens of percent over seconds, so every measurement
-is a pair run back to back on the same fresh prompts: stock vLLM's untraced batch,
-then the workload (the plugin engine's untraced traffic, its traced workloads, a
-second stock engine); the pair's ratio is the workload's tokens/s over stock's. A
-round runs ``--pairs`` pairs of each workload; the table gives the median (and the
-range) over every pair of the run. Output tokens are counted from the outputs; any request that ended in
-an error, or did not run as the batched plan, fails the run.
+is a pair run back to back on the same fresh prompts: stock vLLM's untraced batch
+and the workload (the plugin engine's untraced traffic, its traced workloads, a
+second stock engine), in alternating order; the pair's ratio is the workload's
+tokens/s over stock's. A round runs ``--pairs`` pairs of each workload, and rounds
+repeat until ``--seconds`` have passed; the table gives the median (and the range)
+over every pair of the run. ``--batches K`` makes each measurement K batches of fresh
+prompts back to back; ``--pin`` gives each engine's processes their own CPU cores.
+Output tokens are counted from the outputs; any request that ended in an error, or
+did not run as the batched plan, fails the run.
 
-    python3 benchmarks/gpu/user_way.py --reps 3
+    python3 benchmarks/gpu/user_way.py --seconds 300 --pin
 """
 
 from __future__ import annotations
@@ -125,19 +128,22 @@ def child(kind: str, memory: float) -> None:
         _check(name, run(prompts_for(7)))  # warm-up at full batch
     print("READY " + json.dumps({"init_s": init, "workloads": list(runs)}), flush=True)
     for line in sys.stdin:
-        name, _, seed = line.strip().partition(" ")
+        name, seed, batches = (line.split() + ["1"])[:3]
         if not name:
             break
-        prompts = prompts_for(int(seed))
+        prompt_sets = [prompts_for(int(seed) * 100 + b) for b in range(int(batches))]
         t = time.time()
-        outputs = runs[name](prompts)
+        outputs = [runs[name](prompts) for prompts in prompt_sets]
         took = time.time() - t
-        print("TIME " + json.dumps({"s": took, "tokens": _check(name, outputs)}), flush=True)
+        print("TIME " + json.dumps({"s": took, "tokens": sum(_check(name, o) for o in outputs)}), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=1, help="rounds at least")
+    parser.add_argument("--seconds", type=float, default=0, help="more rounds until this much time has passed")
+    parser.add_argument("--batches", type=int, default=1, help="batches of fresh prompts per measurement")
+    parser.add_argument("--pin", action="store_true", help="each engine's processes on their own CPU cores")
     parser.add_argument("--memory", type=float, default=0.3)
     parser.add_argument("--engines", default="stock,stock2,plugin",
                         help="stock2: a second stock engine, to show how far two identical engines differ")
@@ -150,12 +156,19 @@ def main() -> None:
     headline.make_config()
     out_dir = os.environ.get("OUT", ".")
     procs = {}
-    for kind in args.engines.split(","):
+    kinds = args.engines.split(",")
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // len(kinds)
+    for n, kind in enumerate(kinds):
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING",
                    VLLM_NNSIGHT_DISABLE="1" if kind.startswith("stock") else "0")
         err = open(os.path.join(out_dir, f"user_way-{kind}.stderr"), "w")
-        proc = subprocess.Popen([sys.executable, __file__, "--child", kind, "--memory", str(args.memory)], env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+        pin = []
+        if args.pin:  # (children inherit the affinity: the engine core and its worker too)
+            pin = ["taskset", "-c", ",".join(map(str, cores[n * share:(n + 1) * share]))]
+        proc = subprocess.Popen([*pin, sys.executable, __file__, "--child", kind, "--memory", str(args.memory)],
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                bufsize=1)
         ready = headline._reply(proc, "READY")
         print(f"{kind} ready in {ready['init_s']:.0f}s", flush=True)
         procs[kind] = (proc, ready["workloads"])
@@ -164,21 +177,28 @@ def main() -> None:
     measured = [(kind, name) for kind, (_, workloads) in procs.items() for name in workloads if kind != "stock"]
 
     def timed(proc: Any, name: str, seed: int) -> dict:
-        proc.stdin.write(f"{name} {seed}\n")
+        proc.stdin.write(f"{name} {seed} {args.batches}\n")
         proc.stdin.flush()
         return headline._reply(proc, "TIME")
 
-    for rnd in range(args.reps):
+    start = time.time()
+    rnd = 0
+    while rnd < args.reps or time.time() - start < args.seconds:
         pairs: dict[str, list[dict]] = {}
         for i, (kind, name) in enumerate(measured):
             for attempt in range(args.pairs):  # (fresh prompts each pair: no prefix-cache hits)
                 seed = 1000 * (rnd + 1) + 10 * i + attempt
-                base = timed(stock, "plain", seed)
-                got = timed(procs[kind][0], name, seed)
+                if (rnd + attempt) % 2:  # (alternate which runs first: no bias from the order)
+                    got = timed(procs[kind][0], name, seed)
+                    base = timed(stock, "plain", seed)
+                else:
+                    base = timed(stock, "plain", seed)
+                    got = timed(procs[kind][0], name, seed)
                 pairs.setdefault(f"{kind}:{name}", []).append(
                     {"stock": base, "run": got, "ratio": (got["tokens"] / got["s"]) / (base["tokens"] / base["s"])})
         rounds.append(pairs)
-        print(f"round {rnd + 1}: " + ", ".join(f"{k} " + "/".join(f"{p['ratio']:.2f}" for p in v)
+        rnd += 1
+        print(f"round {rnd}: " + ", ".join(f"{k} " + "/".join(f"{p['ratio']:.2f}" for p in v)
                                                 for k, v in pairs.items()), flush=True)
     for proc, _ in procs.values():
         proc.stdin.close()
@@ -192,6 +212,8 @@ def main() -> None:
                  "ratio": statistics.median(p["ratio"] for p in every(k)),
                  "ratio_range": [min(p["ratio"] for p in every(k)), max(p["ratio"] for p in every(k))]}
              for k in rounds[0]}
+    print(f"\n{len(rounds)} rounds x {args.pairs} pairs x {args.batches} batches of {headline.N} prompts"
+          f"{', engines pinned to their own cores' if args.pin else ''}")
     print("\n| workload (user's code) | tok/s | stock beside it, tok/s | ratio to stock graphs (median of pairs) "
           "| range |\n|---|---:|---:|---:|---:|")
     for k, row in table.items():
