@@ -52,7 +52,13 @@ case "$what" in
     tail -3 "$OUT"/tests-v*.out ;;
   headline)
     python3 benchmarks/gpu/headline.py "$@" 2>&1 | tee "$OUT/headline.log" ;;
-  user_way)
+  user_way)  # (--engines ...,nnsight: nnsight 0.8.1 beside it, from .whl/anchors; see build_bundle.sh)
+    if [ -d .whl/anchors ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/anchors/nnsight-*.whl \
+        .whl/anchors/websocket_client-*.whl .whl/anchors/zstandard-*.whl 2>&1 | grep -v WARNING || true
+      PYTHONPATH=benchmarks/gpu:$PYTHONPATH python3 -c "import headline; headline.make_config()"  # (then copied)
+      python3 .whl/anchors/make_tok.py /tmp/models
+    fi
     OUT="$OUT" python3 benchmarks/gpu/user_way.py "$@" 2>&1 | tee "$OUT/user_way.log" ;;
   anchors)  # row 6 beside a stock-with-graphs reference (needs a bundle built with ANCHORS=1)
     # ANCHORS_GPU=i: the harness ends leftover GPU processes after each step; only on GPU i

@@ -38,7 +38,8 @@ LAYER = 8
 OLEN = headline.OLEN  # (a block's names travel by value: an int, not the module)
 TAP = [f"model.layers.{LAYER}.output"]
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "max_tokens": OLEN, "ignore_eos": True}
-WORKLOADS = {"stock": ["plain"], "stock2": ["plain"], "plugin": ["plain", "prefill", "every_token", "steer"]}
+NNSIGHT_MODEL = "/tmp/models/l1b_tok"  # the same config with a tokenizer (nnsight's VLLM loads one client-side)
+NNSIGHT_SITE = "/tmp/site2"  # nnsight 0.8.1 and its wheels (remote.sh installs them from .whl/anchors)
 STEER = None  # set in the child: a bf16 vector of the model's width
 
 
@@ -76,19 +77,56 @@ def steer(model: Any, prompts: list[list[int]]) -> list[Any]:
     return tracer.outputs
 
 
-def _check(name: str, outputs: list[Any]) -> int:
+def nnsight_runs(model: Any) -> dict[str, Any]:
+    """nnsight 0.8.1's ``VLLM`` on the same workloads, in its own spelling (sampling
+    settings on each invoke; the outputs of a trace kept by wrapping its ``_collect``)."""
+    from nnsight.modeling.vllm import VLLM as NNSIGHT_VLLM
+
+    last: dict[str, Any] = {}
+    collect = NNSIGHT_VLLM._collect
+
+    def keep(mediators: Any, outputs: Any) -> Any:
+        last["outputs"] = outputs
+        return collect(mediators, outputs)
+
+    NNSIGHT_VLLM._collect = staticmethod(keep)
+    sampling = dict(SAMPLING, detokenize=False)
+
+    def prefill(prompts: list[list[int]]) -> list[Any]:
+        with model.trace() as tracer:
+            for prompt in prompts:
+                with tracer.invoke(prompt, **sampling):
+                    out = model.model.layers[LAYER].output
+                    stream = (out[0] + out[1]).save()  # noqa: F841
+        return last["outputs"]
+
+    def every_token(prompts: list[list[int]]) -> list[Any]:
+        with model.trace() as tracer:
+            for prompt in prompts:
+                with tracer.invoke(prompt, **sampling):
+                    stream = list().save()
+                    for step in tracer.iter[:OLEN]:  # noqa: B007
+                        out = model.model.layers[LAYER].output
+                        stream.append(out[0] + out[1])
+        return last["outputs"]
+
+    return {"prefill": prefill, "every_token": every_token}
+
+
+def _check(name: str, outputs: list[Any], plugin: bool = True) -> int:
     """Output tokens produced; raises if any request erred or ran otherwise than batched."""
     tokens = 0
     for out in outputs:
         if getattr(out, "nnsight_error", None) or out.outputs[0].stop_reason == "nnsight_error":
             raise RuntimeError(f"{name}: request {out.request_id} ended in an error: {out.nnsight_error}")
-        if name != "plain" and out.ran_as != "batched":
+        if name != "plain" and plugin and out.ran_as != "batched":
             raise RuntimeError(f"{name}: request {out.request_id} ran as {out.ran_as!r}")
         tokens += len(out.outputs[0].token_ids)
-    if name == "prefill":
-        assert outputs[0].saves["stream"].shape[0] == headline.PLEN
-    if name == "every_token":
-        assert len(outputs[0].saves["stream"]) == OLEN
+    if name in ("prefill", "every_token"):  # (every request's save came back, whole)
+        for out in outputs:
+            stream = (getattr(out, "saves", None) or {}).get("stream")
+            if stream is None or len(stream) != (headline.PLEN if name == "prefill" else OLEN):
+                raise RuntimeError(f"{name}: request {out.request_id} came back without its whole save")
     return tokens
 
 
@@ -111,6 +149,18 @@ def child(kind: str, memory: float) -> None:
             return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
         runs = {"plain": plain}
+    elif kind == "nnsight":
+        from nnsight.modeling.vllm import VLLM as NNSIGHT_VLLM
+
+        engine.pop("skip_tokenizer_init")
+        model = NNSIGHT_VLLM(NNSIGHT_MODEL, dispatch=True, taps=tuple(TAP), **engine)
+        params = SamplingParams(**SAMPLING, detokenize=False)
+
+        def plain(prompts: list[list[int]]) -> list[Any]:  # untraced traffic on nnsight's taps engine
+            return model.vllm_entrypoint.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                  use_tqdm=False)
+
+        runs = {"plain": plain, **nnsight_runs(model)}
     else:
         from vllm_nnsight_plugin import VLLM
 
@@ -124,8 +174,9 @@ def child(kind: str, memory: float) -> None:
         runs = {"plain": plain, "prefill": lambda p: prefill(model, p),
                 "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p)}
     init = time.time() - t0
+    plugin = kind == "plugin"
     for name, run in runs.items():
-        _check(name, run(prompts_for(7)))  # warm-up at full batch
+        _check(name, run(prompts_for(7)), plugin)  # warm-up at full batch
     print("READY " + json.dumps({"init_s": init, "workloads": list(runs)}), flush=True)
     for line in sys.stdin:
         name, seed, batches = (line.split() + ["1"])[:3]
@@ -135,7 +186,7 @@ def child(kind: str, memory: float) -> None:
         t = time.time()
         outputs = [runs[name](prompts) for prompts in prompt_sets]
         took = time.time() - t
-        print("TIME " + json.dumps({"s": took, "tokens": sum(_check(name, o) for o in outputs)}), flush=True)
+        print("TIME " + json.dumps({"s": took, "tokens": sum(_check(name, o, plugin) for o in outputs)}), flush=True)
 
 
 def main() -> None:
@@ -146,7 +197,8 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="each engine's processes on their own CPU cores")
     parser.add_argument("--memory", type=float, default=0.3)
     parser.add_argument("--engines", default="stock,stock2,plugin",
-                        help="stock2: a second stock engine, to show how far two identical engines differ")
+                        help="stock2: a second stock engine, to show how far two identical engines differ; "
+                             "nnsight: nnsight 0.8.1's VLLM with the same taps (remote.sh installs it)")
     parser.add_argument("--pairs", type=int, default=2, help="pairs of each workload per round (fresh prompts each)")
     parser.add_argument("--child")
     args = parser.parse_args()
@@ -161,7 +213,9 @@ def main() -> None:
     share = len(cores) // len(kinds)
     for n, kind in enumerate(kinds):
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING",
-                   VLLM_NNSIGHT_DISABLE="1" if kind.startswith("stock") else "0")
+                   VLLM_NNSIGHT_DISABLE="0" if kind == "plugin" else "1")
+        if kind == "nnsight":
+            env["PYTHONPATH"] = NNSIGHT_SITE + os.pathsep + env.get("PYTHONPATH", "")
         err = open(os.path.join(out_dir, f"user_way-{kind}.stderr"), "w")
         pin = []
         if args.pin:  # (children inherit the affinity: the engine core and its worker too)
