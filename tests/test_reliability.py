@@ -75,7 +75,7 @@ def test_edits_of_index_tensors_are_refused_up_front(llama, op):
 def test_without_the_table_the_worker_refuses_them_and_others_go_on(llama, monkeypatch):
     """A raw vllm.LLM front end has not asked the engine for its table: the worker
     refuses the request at admission, before any forward, and the batch goes on."""
-    monkeypatch.setattr(frontend, "INTEGER_INPUTS", {})
+    monkeypatch.setattr(frontend, "MODULE_TABLES", {})
     llm = llama.vllm_entrypoint
     reference = llm.generate(PROMPTS[:2], [_plain(), _plain()], use_tqdm=False)
     for op in INTEGER_EDITS:

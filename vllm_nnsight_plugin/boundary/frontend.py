@@ -15,7 +15,7 @@ import hashlib
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..engine import batched, edits, guards, taps
 from ..payload import codec
@@ -35,25 +35,31 @@ def touches_modules(env: dict[str, Any]) -> bool:
     return any(isinstance(n, ast.Attribute) and n.attr in MODULE_ATTRS for n in ast.walk(tree))
 
 
-# Per served model (its path): the module paths whose input is an index tensor, from
-# the workers (guards.table), known once a server or VLLM client asked the engine
+class ModuleTable(NamedTuple):
+    """What the front end knows of a served model's modules (from the workers'
+    ``guards.table``; the last pipeline stage's, the one traces run in)."""
+
+    integer_inputs: frozenset[str]  # modules whose input is an index tensor (never written)
+    absent: frozenset[str]  # modules only earlier pipeline stages hold
+
+
+# Per served model (its path), known once a server or VLLM client asked the engine
 # (learn_module_table); until then the worker refuses such edits at admission.
-INTEGER_INPUTS: dict[str, frozenset[str]] = {}
-ABSENT: dict[str, frozenset[str]] = {}  # ...and the modules only earlier pipeline stages hold
+MODULE_TABLES: dict[str, ModuleTable] = {}
 
 
 def learn_module_table(vllm_config: Any, tables: list[dict[str, Any]]) -> None:
     """From every worker's table (``collective_rpc``): the last one's is the last
     pipeline stage's, the one traces run in."""
-    key = configuration.model_key(vllm_config)
-    INTEGER_INPUTS[key] = frozenset(tables[-1]["integer_inputs"])
-    ABSENT[key] = frozenset(tables[-1].get("absent", ()))
+    last = tables[-1]
+    MODULE_TABLES[configuration.model_key(vllm_config)] = ModuleTable(
+        frozenset(last["integer_inputs"]), frozenset(last.get("absent", ())))
 
 
 async def ensure_module_table(engine_client: Any) -> None:
     """Ask the engine for its module table once (an API server's first traced request)."""
     config = getattr(engine_client, "vllm_config", None)
-    if config is not None and configuration.model_key(config) not in INTEGER_INPUTS:
+    if config is not None and configuration.model_key(config) not in MODULE_TABLES:
         learn_module_table(config, await engine_client.collective_rpc("nnsight_module_table"))
 
 
@@ -77,12 +83,10 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
         raise codec.PayloadError(reason)
     if getattr(params, "n", 1) != 1:
         raise codec.PayloadError("traced requests take n=1: run one invoke per sample instead of n>1")
-    if vllm_config is not None:
-        key = configuration.model_key(vllm_config)
-        integer_inputs = INTEGER_INPUTS.get(key)
-        if integer_inputs is not None:
-            guards.refuse_integer_writes(env, integer_inputs)
-        guards.refuse_absent(env, ABSENT.get(key))
+    table = MODULE_TABLES.get(configuration.model_key(vllm_config)) if vllm_config is not None else None
+    if table is not None:
+        guards.refuse_integer_writes(env, table.integer_inputs)
+        guards.refuse_absent(env, table.absent)
     if vllm_config is None or configuration.runs_eager(vllm_config):
         return env
     tapped = taps.from_settings(configuration.additional_config(vllm_config))
