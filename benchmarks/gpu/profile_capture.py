@@ -37,6 +37,14 @@ import time
 import warnings
 
 
+def fresh_prompts(rng: random.Random = random.Random(0)) -> list[dict]:  # noqa: B008 - one stream per run
+    """New random prompts for every rep: a rep that reused an earlier rep's prompts would
+    take its prefill from the prefix cache, which a traced block's request (salted) never does."""
+    import headline
+
+    return [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(headline.PLEN)]} for _ in range(headline.N)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("workloads", nargs="+")
@@ -58,14 +66,12 @@ def main() -> None:
     extra = {"additional_config": {"nnsight": {"taps": headline.TAPS}}} if args.taps else {}
     llm = LLM(model=headline.MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=not args.taps,
               dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5, seed=0, **extra)
-    random.seed(0)
-    prompts = [{"prompt_token_ids": [random.randrange(3, 32000) for _ in range(headline.PLEN)]}
-               for _ in range(headline.N)]
+    prompts = fresh_prompts
     sps = headline.workload_params()
     for name in args.workloads:
         sps.setdefault(name, sps[name.split("~")[0]])
     for name in ["plain", *args.workloads]:  # warm-up at full batch
-        llm.generate(prompts, sps[name], use_tqdm=False)
+        llm.generate(prompts(), sps[name], use_tqdm=False)
     if args.phases:
         phases(llm, prompts, sps, args.workloads, args.reps)
         return
@@ -192,7 +198,7 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
             parts = workload.partition("~")[2]
             with _Ablated(parts.split("+") if parts else []):
                 t = time.perf_counter()
-                llm.generate(prompts, sps[workload], use_tqdm=False)
+                llm.generate(prompts(), sps[workload], use_tqdm=False)
                 per[workload]["wall"].append(time.perf_counter() - t)
             for name in names:
                 per[workload][name].append(spent[name])
@@ -210,14 +216,14 @@ def profile_one(llm, prompts, sps, workload: str, args) -> None:
     walls = {}
     for name in ("plain", workload):
         t = time.perf_counter()
-        llm.generate(prompts, sps[name], use_tqdm=False)
+        llm.generate(prompts(), sps[name], use_tqdm=False)
         walls[name] = time.perf_counter() - t
     print(f"wall: plain {walls['plain']:.3f}s, {workload} {walls[workload]:.3f}s "
           f"(ratio {walls['plain'] / walls[workload]:.3f}); taps={args.taps} v1={args.v1}")
 
     prof = cProfile.Profile()
     prof.enable()
-    llm.generate(prompts, sps[workload], use_tqdm=False)
+    llm.generate(prompts(), sps[workload], use_tqdm=False)
     prof.disable()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
@@ -233,7 +239,7 @@ def profile_one(llm, prompts, sps, workload: str, args) -> None:
 
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as kprof:
-        llm.generate(prompts, sps[workload], use_tqdm=False)
+        llm.generate(prompts(), sps[workload], use_tqdm=False)
     wall = time.perf_counter() - t
     events = kprof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / 1e6
@@ -246,7 +252,7 @@ def profile_one(llm, prompts, sps, workload: str, args) -> None:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            llm.generate(prompts, sps[workload], use_tqdm=False)
+            llm.generate(prompts(), sps[workload], use_tqdm=False)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
