@@ -223,7 +223,14 @@ def main() -> None:
         proc = subprocess.Popen([*pin, sys.executable, __file__, "--child", kind, "--memory", str(args.memory)],
                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                                 bufsize=1)
-        ready = headline._reply(proc, "READY")
+        try:
+            ready = headline._reply(proc, "READY")
+        except RuntimeError as exc:  # (an engine beside the plugin may fail: the run goes on without it)
+            if kind in ("stock", "plugin"):
+                raise
+            err.flush()
+            print(f"{kind} FAILED to start: {exc}\n{open(err.name).read()[-3000:]}", flush=True)
+            continue
         print(f"{kind} ready in {ready['init_s']:.0f}s", flush=True)
         procs[kind] = (proc, ready["workloads"])
     rounds: list[dict[str, dict]] = []
