@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dis
+import gc
 import sys
 import weakref
 from typing import Any
@@ -148,6 +149,7 @@ class VLLM(Envoy):
                 object.__setattr__(self, "_llm", make_async_engine(self.model_path, self.llm_kwargs))
                 # at interpreter exit, before modules are torn down (AsyncLLM.__del__ then fails)
                 atexit.register(_shutdown_at_exit, weakref.ref(self))
+                _freeze_startup_heap()
                 return self  # module paths are checked in the worker (no blocking RPC here)
             from vllm import LLM
 
@@ -165,6 +167,7 @@ class VLLM(Envoy):
             from ..boundary.frontend import learn_module_table  # specs are checked against it up front
 
             learn_module_table(llm_config(llm), llm.collective_rpc("nnsight_module_table"))
+            _freeze_startup_heap()
         return self
 
     def shutdown(self) -> None:
@@ -174,6 +177,7 @@ class VLLM(Envoy):
 
             shutdown_llm(self._llm)
             object.__setattr__(self, "_llm", None)
+            gc.unfreeze()  # (the engine's objects may now be freed; another dispatch freezes again)
 
     def engine_stats(self) -> dict[str, Any]:
         """What the engine holds for traced requests (scheduler and each worker);
@@ -368,6 +372,17 @@ class VLLM(Envoy):
         for output in outputs:
             _attach(output)
         return outputs
+
+
+def _freeze_startup_heap() -> None:
+    """Take what exists once the engine is up (torch, vLLM, the engine, the module tree:
+    about a million objects) out of the cyclic collector's reach, as vLLM does in its
+    engine-core process (and so in this one when the engine runs in-process). Otherwise
+    each full collection walks all of it: 400 ms, here, in the middle of an every-token
+    trace whose results make tens of thousands of tensors. Cycles among these objects
+    are not collected afterwards."""
+    gc.collect()
+    gc.freeze()
 
 
 def _shutdown_at_exit(ref: Any) -> None:
