@@ -82,6 +82,32 @@ def test_binary_results_cross_msgpack_as_frames_and_become_the_json_form():
         values.decode({"$tensor": {"dtype": "float32", "shape": [2], "data": b"\0" * 7}})
 
 
+def test_large_result_buffers_reuse_freed_memory_and_never_a_buffer_in_use():
+    """Result buffers over warm_buffers.SMALL come from a pool of freed blocks (memory
+    already faulted in); a buffer still referenced (by a tensor made from it) is never
+    handed out again."""
+    import gc
+
+    from vllm_nnsight_plugin.payload import warm_buffers
+
+    size = warm_buffers.SMALL + 12345
+    first = values.buffer(size)
+    assert first.size == size and first.dtype == np.uint8
+    held = torch.from_numpy(first)  # the tensor keeps the buffer alive
+    address = first.__array_interface__["data"][0]
+    del first
+    gc.collect()
+    second = values.buffer(size)
+    assert second.__array_interface__["data"][0] != address  # in use: not reused
+    held.fill_(7)
+    assert not np.shares_memory(second, held.numpy())
+    del held
+    gc.collect()
+    third = values.buffer(size - 100)  # (same size class)
+    assert third.__array_interface__["data"][0] == address  # freed: its memory is reused
+    assert warm_buffers.size_class(size) >= size and warm_buffers.size_class(size) <= size * 1.125 + 1
+
+
 def test_unsupported_and_malformed_values():
     with pytest.raises(TypeError, match="object"):
         values.encode(object())
