@@ -94,6 +94,7 @@ def test_large_result_buffers_reuse_freed_memory_and_never_a_buffer_in_use():
     first = values.buffer(size)
     assert first.size == size and first.dtype == np.uint8
     held = torch.from_numpy(first)  # the tensor keeps the buffer alive
+    piece = first.reshape(-1)[:10]  # ...and so does any array numpy derives from it
     address = first.__array_interface__["data"][0]
     del first
     gc.collect()
@@ -102,6 +103,10 @@ def test_large_result_buffers_reuse_freed_memory_and_never_a_buffer_in_use():
     held.fill_(7)
     assert not np.shares_memory(second, held.numpy())
     del held
+    gc.collect()
+    assert values.buffer(size).__array_interface__["data"][0] != address  # the slice still holds it
+    assert (piece == 7).all()
+    del piece
     gc.collect()
     third = values.buffer(size - 100)  # (same size class)
     assert third.__array_interface__["data"][0] == address  # freed: its memory is reused

@@ -196,9 +196,10 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
         for workload in ["plain", *workloads]:
             spent.clear()
             parts = workload.partition("~")[2]
+            batch = prompts()  # (made before the clock starts)
             with _Ablated(parts.split("+") if parts else []):
                 t = time.perf_counter()
-                llm.generate(prompts(), sps[workload], use_tqdm=False)
+                llm.generate(batch, sps[workload], use_tqdm=False)
                 per[workload]["wall"].append(time.perf_counter() - t)
             for name in names:
                 per[workload][name].append(spent[name])
@@ -215,15 +216,17 @@ def profile_one(llm, prompts, sps, workload: str, args) -> None:
 
     walls = {}
     for name in ("plain", workload):
+        batch = prompts()
         t = time.perf_counter()
-        llm.generate(prompts(), sps[name], use_tqdm=False)
+        llm.generate(batch, sps[name], use_tqdm=False)
         walls[name] = time.perf_counter() - t
     print(f"wall: plain {walls['plain']:.3f}s, {workload} {walls[workload]:.3f}s "
           f"(ratio {walls['plain'] / walls[workload]:.3f}); taps={args.taps} v1={args.v1}")
 
+    batch = prompts()
     prof = cProfile.Profile()
     prof.enable()
-    llm.generate(prompts(), sps[workload], use_tqdm=False)
+    llm.generate(batch, sps[workload], use_tqdm=False)
     prof.disable()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
@@ -237,9 +240,10 @@ def profile_one(llm, prompts, sps, workload: str, args) -> None:
     # device time per kernel over one rep: is the step GPU-bound or waiting on the CPU?
     from torch.profiler import ProfilerActivity, profile
 
+    batch = prompts()
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as kprof:
-        llm.generate(prompts(), sps[workload], use_tqdm=False)
+        llm.generate(batch, sps[workload], use_tqdm=False)
     wall = time.perf_counter() - t
     events = kprof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / 1e6

@@ -92,15 +92,22 @@ def nnsight_runs(model: Any) -> dict[str, Any]:
     NNSIGHT_VLLM._collect = staticmethod(keep)
     sampling = dict(SAMPLING, detokenize=False)
 
+    def outputs() -> list[Any]:  # (this trace's: a stale list never passes for a new one)
+        if "outputs" not in last:
+            raise RuntimeError("nnsight's trace returned no outputs")
+        return last.pop("outputs")
+
     def prefill(prompts: list[list[int]]) -> list[Any]:
+        last.clear()
         with model.trace() as tracer:
             for prompt in prompts:
                 with tracer.invoke(prompt, **sampling):
                     out = model.model.layers[LAYER].output
                     stream = (out[0] + out[1]).save()  # noqa: F841
-        return last["outputs"]
+        return outputs()
 
     def every_token(prompts: list[list[int]]) -> list[Any]:
+        last.clear()
         with model.trace() as tracer:
             for prompt in prompts:
                 with tracer.invoke(prompt, **sampling):
@@ -108,7 +115,7 @@ def nnsight_runs(model: Any) -> dict[str, Any]:
                     for step in tracer.iter[:OLEN]:  # noqa: B007
                         out = model.model.layers[LAYER].output
                         stream.append(out[0] + out[1])
-        return last["outputs"]
+        return outputs()
 
     return {"prefill": prefill, "every_token": every_token}
 
@@ -132,7 +139,7 @@ def _check(name: str, outputs: list[Any], plugin: bool = True) -> int:
 
 def child(kind: str, memory: float) -> None:
     """Start the engine, warm each workload up at full batch, then answer one timed
-    rep per line on stdin ("workload seed")."""
+    measurement per line on stdin ("workload seed batches"); stdin's end stops it."""
     global STEER
     import torch
     from vllm import LLM, SamplingParams
@@ -179,9 +186,9 @@ def child(kind: str, memory: float) -> None:
         _check(name, run(prompts_for(7)), plugin)  # warm-up at full batch
     print("READY " + json.dumps({"init_s": init, "workloads": list(runs)}), flush=True)
     for line in sys.stdin:
+        if not line.strip():
+            continue
         name, seed, batches = (line.split() + ["1"])[:3]
-        if not name:
-            break
         prompt_sets = [prompts_for(int(seed) * 100 + b) for b in range(int(batches))]
         t = time.time()
         outputs = [runs[name](prompts) for prompts in prompt_sets]
@@ -202,6 +209,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2, help="pairs of each workload per round (fresh prompts each)")
     parser.add_argument("--child")
     args = parser.parse_args()
+    if not (1 <= args.pairs < 10 and 1 <= args.batches <= 100):
+        parser.error("--pairs 1-9 and --batches 1-100 (each measurement's seeds must be its own)")
     if args.child:
         child(args.child, args.memory)
         return
@@ -215,7 +224,7 @@ def main() -> None:
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING",
                    VLLM_NNSIGHT_DISABLE="0" if kind == "plugin" else "1")
         if kind == "nnsight":
-            env["PYTHONPATH"] = NNSIGHT_SITE + os.pathsep + env.get("PYTHONPATH", "")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [NNSIGHT_SITE, env.get("PYTHONPATH")]))
         err = open(os.path.join(out_dir, f"user_way-{kind}.stderr"), "w")
         pin = []
         if args.pin:  # (children inherit the affinity: the engine core and its worker too)
@@ -256,7 +265,8 @@ def main() -> None:
                     base = timed(stock, "plain", seed)
                     got = timed(procs[kind][0], name, seed)
                 pairs.setdefault(f"{kind}:{name}", []).append(
-                    {"stock": base, "run": got, "ratio": (got["tokens"] / got["s"]) / (base["tokens"] / base["s"])})
+                    {"stock": base, "run": got, "stock_first": not (rnd + attempt) % 2,
+                     "ratio": (got["tokens"] / got["s"]) / (base["tokens"] / base["s"])})
         rounds.append(pairs)
         rnd += 1
         print(f"round {rnd}: " + ", ".join(f"{k} " + "/".join(f"{p['ratio']:.2f}" for p in v)

@@ -177,7 +177,7 @@ class VLLM(Envoy):
 
             shutdown_llm(self._llm)
             object.__setattr__(self, "_llm", None)
-            gc.unfreeze()  # (the engine's objects may now be freed; another dispatch freezes again)
+            _thaw_startup_heap()
 
     def engine_stats(self) -> dict[str, Any]:
         """What the engine holds for traced requests (scheduler and each worker);
@@ -374,18 +374,39 @@ class VLLM(Envoy):
         return outputs
 
 
+_engines_up = 0  # engines this process dispatched and has not shut down
+_exiting = False
+
+
 def _freeze_startup_heap() -> None:
     """Take what exists once the engine is up (torch, vLLM, the engine, the module tree:
     about a million objects) out of the cyclic collector's reach, as vLLM does in its
     engine-core process (and so in this one when the engine runs in-process). Otherwise
-    each full collection walks all of it: 400 ms, here, in the middle of an every-token
-    trace whose results make tens of thousands of tensors. Cycles among these objects
-    are not collected afterwards."""
+    each full collection walks all of it: 400 ms on the development CPU, in the middle of
+    an every-token trace whose results make tens of thousands of tensors. Cycles among
+    these objects are collected again once the engine is shut down."""
+    global _engines_up
+    _engines_up += 1
     gc.collect()
     gc.freeze()
 
 
+def _thaw_startup_heap() -> None:
+    """An engine was shut down: its objects may be freed now. ``gc.unfreeze`` is for the
+    whole process, so the engines still up are frozen again (one full collection)."""
+    global _engines_up
+    _engines_up = max(0, _engines_up - 1)
+    if _exiting:
+        return  # (the process ends: nothing to free, and a million objects to walk)
+    gc.unfreeze()
+    if _engines_up:
+        gc.collect()
+        gc.freeze()
+
+
 def _shutdown_at_exit(ref: Any) -> None:
+    global _exiting
+    _exiting = True
     model = ref()
     if model is not None:
         try:

@@ -8,9 +8,11 @@ glibc hands freed large blocks back to it. So a freed buffer's memory is kept, u
 every-token batch of a 2048-wide model took 43-122k page faults in the engine process
 with the pool and 87-260k without).
 
-A buffer is a view of a kept block; the block returns to the pool when the view is
-garbage (nothing holds it: not a tensor made from it, not a message frame still being
-sent), so a buffer in use is never handed out twice.
+A buffer is an array over a kept block (a ``bytearray``, not an array, so that every
+array numpy derives from the buffer holds the buffer itself, not the block); the block
+returns to the pool when the buffer is garbage (nothing holds it: not a tensor or a
+slice made from it, not a message frame still being sent), so a buffer in use is never
+handed out twice.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import numpy as np
 
 KEEP_BYTES = 512 << 20  # free memory kept for reuse, at most
 SMALL = 256 << 10  # below this the allocator's own free lists are warm: no pool
-_free: dict[int, list[np.ndarray]] = {}  # size class -> free blocks of that size
+_free: dict[int, list[bytearray]] = {}  # size class -> free blocks of that size
 _kept = 0
-_lock = threading.Lock()  # (a buffer may be freed on another thread: vLLM's output sender)
+# (a buffer may be freed on another thread, vLLM's output sender, or by a collection that
+# starts inside this module: re-entrant)
+_lock = threading.RLock()
 
 
 def size_class(size: int) -> int:
@@ -45,18 +49,19 @@ def take(size: int) -> np.ndarray:
         if block is not None:
             _kept -= cls
     if block is None:
-        block = np.empty(cls, dtype=np.uint8)
-    view = block[:size]
+        block = bytearray(cls)  # (zeroed by the kernel on first touch: the cost this pool saves)
+    view = np.frombuffer(block, dtype=np.uint8, count=size)
     weakref.finalize(view, _give_back, block)
     return view
 
 
-def _give_back(block: np.ndarray) -> None:
+def _give_back(block: bytearray) -> None:
     global _kept
+    fresh: list[bytearray] = []  # (made before the lock: no allocation, so no collection, under it)
     with _lock:
-        if _kept + block.size <= KEEP_BYTES:
-            _free.setdefault(block.size, []).append(block)
-            _kept += block.size
+        if _kept + len(block) <= KEEP_BYTES:
+            _free.setdefault(len(block), fresh).append(block)
+            _kept += len(block)
 
 
 def kept_bytes() -> int:
