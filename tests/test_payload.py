@@ -44,11 +44,15 @@ def test_tensor_format_decodes_with_numpy_alone():
 
 def test_a_list_of_tensors_travels_as_one_buffer():
     rows = [torch.randn(3, 4).to(torch.bfloat16), torch.randn(1, 4).to(torch.bfloat16),
-            torch.empty(0, 4, dtype=torch.bfloat16)]
+            torch.randn(1, 4).to(torch.bfloat16), torch.randn(1, 4).to(torch.bfloat16),
+            torch.empty(0, 4, dtype=torch.bfloat16), torch.randn(4).to(torch.bfloat16),
+            torch.randn(4).to(torch.bfloat16)]  # (runs of one shape decode as one unbind)
     enc = values.encode(rows)
-    assert list(enc) == ["$tensors"] and enc["$tensors"]["shapes"] == [[3, 4], [1, 4], [0, 4]]
+    assert list(enc) == ["$tensors"] and enc["$tensors"]["shapes"] == [[3, 4], [1, 4], [1, 4], [1, 4], [0, 4],
+                                                                        [4], [4]]
     back = values.decode(json.loads(json.dumps(enc)))
-    assert all(torch.equal(a, b) for a, b in zip(rows, back)) and len(back) == 3
+    assert len(back) == len(rows)
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(rows, back, strict=True))
     mixed = values.decode(values.encode([torch.ones(2), torch.ones(2, dtype=torch.int64)]))
     assert [t.dtype for t in mixed] == [torch.float32, torch.int64]  # mixed dtypes: a plain list
     with pytest.raises(ValueError):
