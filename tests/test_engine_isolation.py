@@ -187,6 +187,29 @@ def test_saved_values_are_copies(llama):
     assert torch.count_nonzero(after) == 0
 
 
+def test_large_per_step_results_come_back_whole_through_reused_buffers(llama):
+    """Per-step reads of a long prompt leave the worker in one result buffer per request,
+    over warm_buffers.SMALL, so the worker takes them from its pool of freed blocks: each
+    trace's results are its own, whatever the traces before and after it left there."""
+    from vllm_nnsight_plugin.payload import warm_buffers
+
+    def trace(prompt):
+        with llama.trace(prompt, temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
+            rows = list().save()
+            for _ in tracer.iter[:]:
+                rows.append(llama.model.layers[0].output[0])
+        return rows, len(tracer.outputs[0].prompt_token_ids)
+
+    first, prompt_len = trace(LONG)
+    assert sum(r.numel() * r.element_size() for r in first) > warm_buffers.SMALL
+    assert [r.shape[0] for r in first] == [prompt_len, 1, 1]
+    for _ in range(2):
+        other, _ = trace(LONG.replace("fox", "cat"))
+        assert not torch.equal(other[0], first[0])
+        again, _ = trace(LONG)
+        assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
+
+
 def test_stop_ends_the_request_without_error(llama):
     with llama.trace("Hello", temperature=0.0, max_tokens=8, ignore_eos=True) as tracer:
         for step in tracer.iter[:]:

@@ -23,7 +23,7 @@ import weakref
 import numpy as np
 
 KEEP_BYTES = 512 << 20  # free memory kept for reuse, at most
-SMALL = 256 << 10  # below this the allocator's own free lists are warm: no pool
+SMALL = 64 << 10  # below this the allocator's own free lists are warm (glibc hands back only blocks over 128 KB)
 _free: dict[int, list[bytearray]] = {}  # size class -> free blocks of that size
 _kept = 0
 # (a buffer may be freed on another thread, vLLM's output sender, or by a collection that
