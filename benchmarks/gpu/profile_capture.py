@@ -36,13 +36,16 @@ import sys
 import time
 import warnings
 
+_PROMPT_RNG = random.Random(0)  # one stream per run: every call gives new prompts
 
-def fresh_prompts(rng: random.Random = random.Random(0)) -> list[dict]:  # noqa: B008 - one stream per run
+
+def fresh_prompts() -> list[dict]:
     """New random prompts for every rep: a rep that reused an earlier rep's prompts would
     take its prefill from the prefix cache, which a traced block's request (salted) never does."""
     import headline
 
-    return [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(headline.PLEN)]} for _ in range(headline.N)]
+    return [{"prompt_token_ids": [_PROMPT_RNG.randrange(3, 32000) for _ in range(headline.PLEN)]}
+            for _ in range(headline.N)]
 
 
 def main() -> None:

@@ -57,12 +57,7 @@ def take(size: int) -> np.ndarray:
 
 def _give_back(block: bytearray) -> None:
     global _kept
-    fresh: list[bytearray] = []  # (made before the lock: no allocation, so no collection, under it)
     with _lock:
         if _kept + len(block) <= KEEP_BYTES:
-            _free.setdefault(len(block), fresh).append(block)
+            _free.setdefault(len(block), []).append(block)
             _kept += len(block)
-
-
-def kept_bytes() -> int:
-    return _kept
