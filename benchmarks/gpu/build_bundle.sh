@@ -24,7 +24,8 @@ PKGS="vllm==0.26.0 annotated-types==0.8.0 apache-tvm-ffi==0.1.10 cachetools==8.0
 $DL -d "$W/wheels" $PKGS
 # this package's own runtime needs that the device image lacks (installed by remote.sh)
 $DL -d "$DEST/extra" greenlet==3.5.6 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
-    referencing==0.37.0 rpds-py==2026.9.1 truststore==0.10.5  # truststore: the openai client (tests)
+    referencing==0.37.0 rpds-py==2026.9.1 truststore==0.10.5 py-spy==0.4.3
+# (truststore: the openai client in tests; py-spy: spy_user_way.py samples vLLM's processes)
 "$PY312" -m pip install -q --no-deps --no-compile --no-cache-dir --target "$W/site" "$W"/wheels/*.whl
 cd "$W/site"
 # prune: FA2 (Hopper uses FA3), MoE kernels, the Rust frontend, Blackwell FMHA sources, deep_gemm

@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
 #   bash benchmarks/gpu/remote.sh user_way [--seconds S] [--pin]   one trace, 256 invokes, default settings + taps
 #   bash benchmarks/gpu/remote.sh profile [--taps] [--v1] [every_token_spec ...]
+#   bash benchmarks/gpu/remote.sh spy [--workloads a,b] [--seconds S]   py-spy of vLLM's processes, user's way
 #   bash benchmarks/gpu/remote.sh anchors     nnsight 0.8.1 taps (anchor harness) + stock graphs
 #   bash benchmarks/gpu/remote.sh stage       only stage (then STAGED=1 for runs side by side)
 set -euo pipefail
@@ -67,6 +68,9 @@ case "$what" in
       .whl/anchors/run_all.sh > /tmp/anchors_run_all.sh
     AB_STEPS="${AB_STEPS:-stock_graph nn_taps}" OUT="$OUT" bash /tmp/anchors_run_all.sh 2>&1 \
       | tee "$OUT/anchors.log" | tail -40 ;;
+  spy)  # spy [--workloads a,b] [--seconds S]: py-spy of each vLLM process, user's-way workloads
+    PATH=/tmp/site/bin:$PATH python3 benchmarks/gpu/spy_user_way.py "$@" > "$OUT/spy.txt" 2>&1 || true
+    grep -vE "^(INFO|WARNING|\(EngineCore)" "$OUT/spy.txt" | tail -150 ;;
   profile)  # profile [--taps] [--v1] workload...: one engine, one file
     python3 benchmarks/gpu/profile_capture.py "$@" > "$OUT/profile.txt" 2>&1 || true
     grep -E "^(=====|wall:|kernels:|CUDA syncs)" "$OUT"/profile.txt || tail -20 "$OUT"/profile.txt ;;

@@ -1,0 +1,140 @@
+"""Where the user's-way workloads spend their time across vLLM's processes.
+
+``profile_capture.py`` runs the engine in one process and the headline's payloads
+straight through ``LLM.generate``: it cannot see what only the multi-process engine
+pays (the engine core's output thread, the front end's receive thread, the client's
+decode of the saves). This runs ``user_way.py``'s workloads on one plugin engine,
+multi-process as users run it, and samples the front end and the engine core with
+py-spy while each workload runs batch after batch (fresh prompts):
+
+    python3 benchmarks/gpu/spy_user_way.py [--workloads plain,steer,every_token] [--seconds 20]
+
+Prints, per workload: seconds per batch (median), then for each process the
+functions where the samples were (own time) and the plugin's and vLLM's functions
+by total time. Needs ``py-spy`` on PATH (remote.sh installs it from .whl/extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _descendants(pid: int) -> list[int]:
+    """The engine core and, where the executor spawns them, its workers."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            kids = [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+    return [d for k in kids for d in [k, *_descendants(k)]]
+
+
+def _short(frame: str) -> str:
+    """``func (dir/file.py:12)`` without the directories."""
+    return re.sub(r"\(.*/", "(", frame)
+
+
+def _summary(raw_path: str, top: int) -> str:
+    """py-spy's raw (collapsed) stacks: own time by leaf function, total time by the
+    plugin's and vLLM's functions (each counted once per sample)."""
+    own: collections.Counter = collections.Counter()
+    total: collections.Counter = collections.Counter()
+    samples = 0
+    with open(raw_path) as fh:
+        for line in fh:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            frames = stack.split(";")[1:]  # (the first names the thread)
+            if not frames:
+                continue
+            samples += n
+            own[_short(frames[-1])] += n
+            for f in set(frames):
+                if "nnsight" in f or "vllm/" in f:
+                    total[_short(f)] += n
+    if not samples:
+        return "  (no samples)\n"
+    lines = [f"  {samples} samples (active threads; idle waits excluded)", "  own time:"]
+    lines += [f"    {100 * n / samples:5.1f}%  {f}" for f, n in own.most_common(top)]
+    lines.append("  total time (plugin and vLLM functions):")
+    lines += [f"    {100 * n / samples:5.1f}%  {f}" for f, n in total.most_common(top)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workloads", default="plain,steer,every_token")
+    parser.add_argument("--seconds", type=float, default=20.0, help="sampled seconds per workload")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--n", type=int, default=0, help="prompts per batch (default: the headline's)")
+    args = parser.parse_args()
+    import headline
+    import torch
+    import user_way
+    from vllm import SamplingParams
+
+    from vllm_nnsight_plugin import VLLM
+
+    if args.n:
+        headline.N = args.n
+    headline.make_config()
+    user_way.STEER = torch.full((headline.HIDDEN,), 0.01, dtype=torch.bfloat16)
+    model = VLLM(headline.MODEL, taps=user_way.TAP, dispatch=True, load_format="dummy", skip_tokenizer_init=True,
+                 dtype="bfloat16", max_model_len=1024, seed=0,
+                 **({"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {}))
+    params = SamplingParams(**user_way.SAMPLING, detokenize=False)
+    runs = {"plain": lambda p: model.vllm_entrypoint.generate([{"prompt_token_ids": q} for q in p], params,
+                                                              use_tqdm=False),
+            "prefill": lambda p: user_way.prefill(model, p),
+            "every_token": lambda p: user_way.every_token(model, p),
+            "steer": lambda p: user_way.steer(model, p)}
+    workloads = args.workloads.split(",")
+    for name in workloads:
+        user_way._check(name, runs[name](user_way.prompts_for(7)))  # warm-up at full batch
+    me = os.getpid()
+    processes = [("front end", me)] + [
+        (f"process {p} ({open(f'/proc/{p}/comm').read().strip()})", p)
+        for p in _descendants(me) if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+    out_dir = os.environ.get("OUT", ".")
+    seed = 100
+    for name in workloads:
+        spies = {}
+        for label, pid in processes:
+            raw = os.path.join(out_dir, f"spy-{name}-{pid}.txt")
+            spies[label] = (raw, subprocess.Popen(
+                ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--threads",
+                 "--nonblocking", "--output", raw], stdout=subprocess.DEVNULL, stderr=open(raw + ".err", "w")))
+        time.sleep(1.0)  # (py-spy attaches)
+        walls, tokens = [], 0
+        start = time.time()
+        while time.time() - start < args.seconds or not walls:
+            prompts = user_way.prompts_for(seed)
+            seed += 1
+            t = time.perf_counter()
+            outputs = runs[name](prompts)
+            walls.append(time.perf_counter() - t)
+            tokens += user_way._check(name, outputs)
+        for _, proc in spies.values():
+            proc.send_signal(2)  # SIGINT: py-spy writes what it has
+        for _, proc in spies.values():
+            proc.wait(timeout=60)
+        print(f"===== {name}: {len(walls)} batches, {statistics.median(walls):.3f} s per batch (median), "
+              f"{tokens / sum(walls):,.0f} tok/s =====")
+        for label, (raw, _) in spies.items():
+            print(f"--- {label}")
+            print(_summary(raw, args.top) if os.path.exists(raw) else "  (py-spy wrote nothing)\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
