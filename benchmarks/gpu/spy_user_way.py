@@ -9,9 +9,11 @@ py-spy while each workload runs batch after batch (fresh prompts):
 
     python3 benchmarks/gpu/spy_user_way.py [--workloads plain,steer,every_token] [--seconds 20]
 
-Prints, per workload: seconds per batch (median), then for each process the
-functions where the samples were (own time) and the plugin's and vLLM's functions
-by total time. Needs ``py-spy`` on PATH (remote.sh installs it from .whl/extra).
+Prints, per workload: seconds per batch (median) and engine outputs per batch (about
+one per engine step); then per process, milliseconds per batch of each workload
+beside the first for the functions whose time differs most from it (own time: where
+the samples were, by line; total: anywhere on the stack, by function). Needs ``py-spy`` on PATH
+(remote.sh installs it from .whl/extra).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+RATE = 200  # py-spy samples per second
 
 
 def _descendants(pid: int) -> list[int]:
@@ -43,32 +47,33 @@ def _short(frame: str) -> str:
     return re.sub(r"\(.*/", "(", frame)
 
 
-def _summary(raw_path: str, top: int) -> str:
-    """py-spy's raw (collapsed) stacks: own time by leaf function, total time by the
-    plugin's and vLLM's functions (each counted once per sample)."""
+def _counts(raw_path: str) -> tuple[collections.Counter, collections.Counter]:
+    """py-spy's raw (collapsed) stacks: samples by leaf function (own time) and by every
+    function on the stack (total time, each counted once per sample)."""
     own: collections.Counter = collections.Counter()
     total: collections.Counter = collections.Counter()
-    samples = 0
     with open(raw_path) as fh:
         for line in fh:
             stack, _, count = line.rstrip("\n").rpartition(" ")
-            if not stack:
-                continue
-            n = int(count)
             frames = stack.split(";")[1:]  # (the first names the thread)
             if not frames:
                 continue
-            samples += n
-            own[_short(frames[-1])] += n
-            for f in set(frames):
-                if "nnsight" in f or "vllm/" in f:
-                    total[_short(f)] += n
-    if not samples:
-        return "  (no samples)\n"
-    lines = [f"  {samples} samples (active threads; idle waits excluded)", "  own time:"]
-    lines += [f"    {100 * n / samples:5.1f}%  {f}" for f, n in own.most_common(top)]
-    lines.append("  total time (plugin and vLLM functions):")
-    lines += [f"    {100 * n / samples:5.1f}%  {f}" for f, n in total.most_common(top)]
+            own[_short(frames[-1])] += int(count)
+            for f in {re.sub(r":\d+\)$", ")", _short(f)) for f in frames}:  # (any line of it)
+                total[f] += int(count)
+    return own, total
+
+
+def _table(title: str, per_batch: dict[str, collections.Counter], top: int) -> str:
+    """ms per batch of each workload for the functions that differ most from the first."""
+    names = list(per_batch)
+    base = per_batch[names[0]]
+    keys = set().union(*per_batch.values())
+    ranked = sorted(keys, key=lambda k: -max(abs(c.get(k, 0) - base.get(k, 0)) for c in per_batch.values()))
+    lines = [f"{title} (ms per batch)", "| function | " + " | ".join(names) + " |",
+             "|---|" + "---:|" * len(names)]
+    lines += [f"| {k} | " + " | ".join(f"{per_batch[n].get(k, 0):.0f}" for n in names) + " |"
+              for k in ranked[:top]]
     return "\n".join(lines) + "\n"
 
 
@@ -106,17 +111,30 @@ def main() -> None:
     processes = [("front end", me)] + [
         (f"process {p} ({open(f'/proc/{p}/comm').read().strip()})", p)
         for p in _descendants(me) if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
-    out_dir = os.environ.get("OUT", ".")
+    raw_dir = tempfile.mkdtemp(prefix="spy-")  # (raw stacks: only the tables are kept)
+    from vllm.v1.engine import core_client
+
+    outputs_got = [0]  # front end: messages from the engine core, about one per engine step
+    get_output = core_client.SyncMPClient.get_output
+
+    def counted(self: object) -> object:
+        outputs_got[0] += 1
+        return get_output(self)
+
+    core_client.SyncMPClient.get_output = counted
     seed = 100
+    own: dict[str, dict[str, collections.Counter]] = collections.defaultdict(dict)
+    total: dict[str, dict[str, collections.Counter]] = collections.defaultdict(dict)
     for name in workloads:
         spies = {}
         for label, pid in processes:
-            raw = os.path.join(out_dir, f"spy-{name}-{pid}.txt")
+            raw = os.path.join(raw_dir, f"{name}-{pid}.txt")
             spies[label] = (raw, subprocess.Popen(
-                ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--threads",
+                ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", str(RATE), "--threads",
                  "--nonblocking", "--output", raw], stdout=subprocess.DEVNULL, stderr=open(raw + ".err", "w")))
         time.sleep(1.0)  # (py-spy attaches)
         walls, tokens = [], 0
+        outputs_got[0] = 0
         start = time.time()
         while time.time() - start < args.seconds or not walls:
             prompts = user_way.prompts_for(seed)
@@ -129,11 +147,20 @@ def main() -> None:
             proc.send_signal(2)  # SIGINT: py-spy writes what it has
         for _, proc in spies.values():
             proc.wait(timeout=60)
-        print(f"===== {name}: {len(walls)} batches, {statistics.median(walls):.3f} s per batch (median), "
-              f"{tokens / sum(walls):,.0f} tok/s =====")
+        # (samples also cover the second py-spy attaches and the last batch's tail: per batch is an estimate)
+        print(f"{name}: {len(walls)} batches, {statistics.median(walls):.3f} s per batch (median), "
+              f"{tokens / sum(walls):,.0f} tok/s, {outputs_got[0] / len(walls):.0f} engine outputs per batch",
+              flush=True)
+        scale = 1000 / RATE / len(walls)
         for label, (raw, _) in spies.items():
-            print(f"--- {label}")
-            print(_summary(raw, args.top) if os.path.exists(raw) else "  (py-spy wrote nothing)\n", flush=True)
+            o, t = _counts(raw) if os.path.exists(raw) else (collections.Counter(), collections.Counter())
+            own[label][name] = collections.Counter({k: v * scale for k, v in o.items()})
+            total[label][name] = collections.Counter({k: v * scale for k, v in t.items()})
+    for label in own:
+        print(f"\n===== {label}: active {', '.join(f'{n} {sum(c.values()):.0f}' for n, c in own[label].items())} "
+              "ms per batch")
+        print(_table("own time", own[label], args.top))
+        print(_table("total time", total[label], args.top), flush=True)
 
 
 if __name__ == "__main__":
