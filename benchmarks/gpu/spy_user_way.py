@@ -47,10 +47,11 @@ def _short(frame: str) -> str:
     return re.sub(r"\(.*/", "(", frame)
 
 
-def _counts(raw_path: str) -> tuple[collections.Counter, collections.Counter]:
-    """py-spy's raw (collapsed) stacks: samples by leaf function (own time) and by every
-    function on the stack (total time, each counted once per sample)."""
+def _counts(raw_path: str) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+    """py-spy's raw (collapsed) stacks: samples by leaf line and by leaf function (own
+    time), and by every function on the stack (total time, counted once per sample)."""
     own: collections.Counter = collections.Counter()
+    own_fn: collections.Counter = collections.Counter()
     total: collections.Counter = collections.Counter()
     with open(raw_path) as fh:
         for line in fh:
@@ -58,10 +59,12 @@ def _counts(raw_path: str) -> tuple[collections.Counter, collections.Counter]:
             frames = stack.split(";")[1:]  # (the first names the thread)
             if not frames:
                 continue
+            fns = [re.sub(r":\d+\)$", ")", _short(f)) for f in frames]  # (any line of it)
             own[_short(frames[-1])] += int(count)
-            for f in {re.sub(r":\d+\)$", ")", _short(f)) for f in frames}:  # (any line of it)
+            own_fn[fns[-1]] += int(count)
+            for f in set(fns):
                 total[f] += int(count)
-    return own, total
+    return own, own_fn, total
 
 
 def _table(title: str, per_batch: dict[str, collections.Counter], top: int) -> str:
@@ -124,6 +127,7 @@ def main() -> None:
     core_client.SyncMPClient.get_output = counted
     seed = 100
     own: dict[str, dict[str, collections.Counter]] = collections.defaultdict(dict)
+    own_fn: dict[str, dict[str, collections.Counter]] = collections.defaultdict(dict)
     total: dict[str, dict[str, collections.Counter]] = collections.defaultdict(dict)
     for name in workloads:
         spies = {}
@@ -153,13 +157,14 @@ def main() -> None:
               flush=True)
         scale = 1000 / RATE / len(walls)
         for label, (raw, _) in spies.items():
-            o, t = _counts(raw) if os.path.exists(raw) else (collections.Counter(), collections.Counter())
-            own[label][name] = collections.Counter({k: v * scale for k, v in o.items()})
-            total[label][name] = collections.Counter({k: v * scale for k, v in t.items()})
+            counts = _counts(raw) if os.path.exists(raw) else (collections.Counter(),) * 3
+            for table, c in zip((own, own_fn, total), counts):
+                table[label][name] = collections.Counter({k: v * scale for k, v in c.items()})
     for label in own:
         print(f"\n===== {label}: active {', '.join(f'{n} {sum(c.values()):.0f}' for n, c in own[label].items())} "
               "ms per batch")
-        print(_table("own time", own[label], args.top))
+        print(_table("own time by line", own[label], args.top))
+        print(_table("own time by function", own_fn[label], args.top))
         print(_table("total time", total[label], args.top), flush=True)
 
 
