@@ -117,6 +117,38 @@ def test_large_result_buffers_reuse_freed_memory_and_never_a_buffer_in_use():
     assert warm_buffers.size_class(size) >= size and warm_buffers.size_class(size) <= size * 1.125 + 1
 
 
+def test_decoded_frames_are_private_copies_in_reused_memory_and_ran_as_needs_no_decode():
+    """The client copies a large frame (an every-token result: half a megabyte per
+    request) into a pooled buffer: the tensor is its own (writing it leaves the frame
+    as it was) and once dropped its memory serves the next decode. A request's
+    ``ran_as`` is read without decoding its saves (it was a second full decode)."""
+    import gc
+
+    from vllm_nnsight_plugin.boundary.outputs import install_saves_property
+
+    rows = torch.randn(128, 1, 2048).to(torch.bfloat16)
+    frame = bytes(rows.reshape(-1).view(torch.uint8).numpy())  # (read-only, as a received frame)
+    wire = {"dtype": "bfloat16", "shapes": [[1, 2048]] * 128, "data": memoryview(frame)}
+    got = values.decode_tensors(wire)
+    assert all(torch.equal(a, b) for a, b in zip(got, rows.unbind(0)))
+    address = got[0].data_ptr()
+    got[0].fill_(1)
+    assert bytes(frame) == bytes(rows.reshape(-1).view(torch.uint8).numpy())
+    del got
+    gc.collect()
+    assert values.decode_tensors(wire)[0].data_ptr() == address  # the freed block again
+
+    class Output:  # (the attributes vLLM's RequestOutput carries)
+        kv_transfer_params = {codec.PAYLOAD_KEY: {"saves": {"x": {"$tensor": {"dtype": "float32", "shape": [2],
+                                                                              "data": b"\0" * 7}}},
+                                                  "ran_as": "batched"}}
+
+    install_saves_property(Output)
+    assert Output().ran_as == "batched"  # (the malformed save is never decoded for it)
+    with pytest.raises(ValueError, match="bytes"):
+        Output().saves  # noqa: B018
+
+
 def test_unsupported_and_malformed_values():
     with pytest.raises(TypeError, match="object"):
         values.encode(object())

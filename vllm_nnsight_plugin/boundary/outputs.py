@@ -29,8 +29,10 @@ def _set_saves(self: Any, value: dict[str, Any]) -> None:
 
 
 def _ran_as(self: Any) -> str | None:
-    res = results_of(self)
-    return res.ran_as if res is not None else None
+    # (read from the raw results: decoding every save to answer this took as long as
+    # the decode the caller already paid for)
+    params = getattr(self, "kv_transfer_params", None) or {}
+    return codec.ran_as_of(params.get(codec.PAYLOAD_KEY))
 
 
 def install_saves_property(request_output_cls: type) -> None:

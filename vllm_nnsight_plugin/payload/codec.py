@@ -290,6 +290,13 @@ class Results:
     ran_as: str | None = None
 
 
+def ran_as_of(raw: Any) -> str | None:
+    """How the request ran, from ``kv_transfer_params["nnsight"]``, its saves left as they are."""
+    if isinstance(raw, str):
+        raw = json.loads(raw)
+    return raw.get("ran_as") if isinstance(raw, dict) else None
+
+
 def decode_results(raw: Any, resolve_result: Callable | None = None) -> Results | None:
     """Decode ``kv_transfer_params["nnsight"]`` (None when the request had none)."""
     if raw is None:
