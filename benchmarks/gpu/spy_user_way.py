@@ -5,9 +5,10 @@ straight through ``LLM.generate``: it cannot see what only the multi-process eng
 pays (the engine core's output thread, the front end's receive thread, the client's
 decode of the saves). This runs ``user_way.py``'s workloads on one plugin engine,
 multi-process as users run it, and samples the front end and the engine core with
-py-spy while each workload runs batch after batch (fresh prompts):
+py-spy while each workload runs batch after batch (fresh prompts), the workloads
+taking turns for ``--rounds`` rounds of ``--seconds / --rounds`` each:
 
-    python3 benchmarks/gpu/spy_user_way.py [--workloads plain,steer,every_token] [--seconds 20]
+    python3 benchmarks/gpu/spy_user_way.py [--workloads plain,steer,every_token] [--seconds 20] [--rounds 3]
 
 Prints, per workload: seconds per batch (median) and engine outputs per batch (about
 one per engine step); then per process, milliseconds per batch of each workload
@@ -84,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workloads", default="plain,steer,every_token")
     parser.add_argument("--seconds", type=float, default=20.0, help="sampled seconds per workload")
+    parser.add_argument("--rounds", type=int, default=3, help="each workload this many times, in turn")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--n", type=int, default=0, help="prompts per batch (default: the headline's)")
     args = parser.parse_args()
@@ -126,39 +128,50 @@ def main() -> None:
 
     core_client.SyncMPClient.get_output = counted
     seed = 100
-    own: dict[str, dict[str, collections.Counter]] = collections.defaultdict(dict)
-    own_fn: dict[str, dict[str, collections.Counter]] = collections.defaultdict(dict)
-    total: dict[str, dict[str, collections.Counter]] = collections.defaultdict(dict)
+    counts: dict[str, dict[str, list[collections.Counter]]] = collections.defaultdict(dict)  # label -> name -> 3
+    walls: dict[str, list[float]] = collections.defaultdict(list)
+    tokens: collections.Counter = collections.Counter()
+    steps: collections.Counter = collections.Counter()
+    # rounds, each workload in turn: a drift of the machine over the run is shared by all
+    for rnd in range(args.rounds):
+        for name in workloads:
+            spies = {}
+            for label, pid in processes:
+                raw = os.path.join(raw_dir, f"{name}-{rnd}-{pid}.txt")
+                spies[label] = (raw, subprocess.Popen(
+                    ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", str(RATE), "--threads",
+                     "--nonblocking", "--output", raw], stdout=subprocess.DEVNULL, stderr=open(raw + ".err", "w")))
+            time.sleep(1.0)  # (py-spy attaches)
+            outputs_got[0] = 0
+            start, batches = time.time(), 0
+            while time.time() - start < args.seconds / args.rounds or not batches:
+                prompts = user_way.prompts_for(seed)
+                seed += 1
+                t = time.perf_counter()
+                outputs = runs[name](prompts)
+                walls[name].append(time.perf_counter() - t)
+                tokens[name] += user_way._check(name, outputs)
+                batches += 1
+            steps[name] += outputs_got[0]
+            for _, proc in spies.values():
+                proc.send_signal(2)  # SIGINT: py-spy writes what it has
+            for _, proc in spies.values():
+                proc.wait(timeout=60)
+            for label, (raw, _) in spies.items():
+                got = _counts(raw) if os.path.exists(raw) else (collections.Counter(),) * 3
+                mine = counts[label].setdefault(name, [collections.Counter() for _ in got])
+                for acc, c in zip(mine, got):
+                    acc.update(c)
+    own, own_fn, total = ({label: {} for label in counts} for _ in range(3))
     for name in workloads:
-        spies = {}
-        for label, pid in processes:
-            raw = os.path.join(raw_dir, f"{name}-{pid}.txt")
-            spies[label] = (raw, subprocess.Popen(
-                ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", str(RATE), "--threads",
-                 "--nonblocking", "--output", raw], stdout=subprocess.DEVNULL, stderr=open(raw + ".err", "w")))
-        time.sleep(1.0)  # (py-spy attaches)
-        walls, tokens = [], 0
-        outputs_got[0] = 0
-        start = time.time()
-        while time.time() - start < args.seconds or not walls:
-            prompts = user_way.prompts_for(seed)
-            seed += 1
-            t = time.perf_counter()
-            outputs = runs[name](prompts)
-            walls.append(time.perf_counter() - t)
-            tokens += user_way._check(name, outputs)
-        for _, proc in spies.values():
-            proc.send_signal(2)  # SIGINT: py-spy writes what it has
-        for _, proc in spies.values():
-            proc.wait(timeout=60)
-        # (samples also cover the second py-spy attaches and the last batch's tail: per batch is an estimate)
-        print(f"{name}: {len(walls)} batches, {statistics.median(walls):.3f} s per batch (median), "
-              f"{tokens / sum(walls):,.0f} tok/s, {outputs_got[0] / len(walls):.0f} engine outputs per batch",
+        n = len(walls[name])
+        # (samples also cover py-spy's attach and a batch's tail: per batch is an estimate)
+        print(f"{name}: {n} batches, {statistics.median(walls[name]):.3f} s per batch (median), "
+              f"{tokens[name] / sum(walls[name]):,.0f} tok/s, {steps[name] / n:.0f} engine outputs per batch",
               flush=True)
-        scale = 1000 / RATE / len(walls)
-        for label, (raw, _) in spies.items():
-            counts = _counts(raw) if os.path.exists(raw) else (collections.Counter(),) * 3
-            for table, c in zip((own, own_fn, total), counts):
+        scale = 1000 / RATE / n
+        for label in counts:
+            for table, c in zip((own, own_fn, total), counts[label][name]):
                 table[label][name] = collections.Counter({k: v * scale for k, v in c.items()})
     for label in own:
         print(f"\n===== {label}: active {', '.join(f'{n} {sum(c.values()):.0f}' for n, c in own[label].items())} "
