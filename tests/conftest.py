@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -132,20 +133,34 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
     assert diff <= tol, f"max abs diff {diff} > {tol}"
 
 
-def bit_identical_in_some_try(run, same) -> tuple:
-    """Run ``run()`` (-> (base, mixed)) once on the CPU; on CUDA until ``same(base, mixed)``,
-    at most three times.
+def generate_together(llm, prompts: list, params) -> list:
+    """``llm.generate(prompts, params)`` whose requests all reach the scheduler before its
+    first step: the scheduler is paused (vLLM's ``pause_scheduler("keep")``) while they are
+    added. Two runs of the same prompts then form the same batches, step for step.
 
-    Why: a CUDA GEMM's last bits depend on the batch's token count, and which step a request
-    joins depends on when it reaches the engine-core process (a traced request's payload
-    takes longer to add), so even stock vLLM cannot promise one request's bits across two
-    runs whose batches formed differently. A plugin that touched a neighbour's rows would
-    fail every try. On the CPU there is no retry: the baselines have the same batch shape
-    and the first run must match bit for bit."""
-    tries = 3 if torch.cuda.is_available() else 1
-    for _ in range(tries):
-        base, mixed = run()
-        if same(base, mixed):
-            break
-    return base, mixed
+    Why: a CUDA GEMM's last bits depend on the batch's token count, and in a plain
+    ``generate`` which step a request joins depends on when it reaches the engine-core
+    process (a traced request's payload takes longer to add), so bits compared across two
+    runs could differ without the plugin touching anything. Here they cannot: a plugin
+    that touched a neighbour's rows fails every time, on any device."""
+    engine = llm.llm_engine
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    tag = uuid.uuid4().hex[:8]
+    ids = [f"together-{tag}-{i}" for i in range(len(prompts))]
+    engine.engine_core.call_utility("pause_scheduler", "keep", False)
+    try:
+        for req_id, prompt, sp in zip(ids, prompts, params, strict=True):
+            engine.add_request(req_id, prompt, sp)
+    finally:
+        engine.engine_core.call_utility("resume_scheduler")
+    done, first = {}, None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first is None and outs:
+            first = {out.request_id for out in outs}
+        for out in outs:
+            if out.finished:
+                done[out.request_id] = out
+    assert first == set(ids), "the requests did not all take their first step together"
+    return [done[req_id] for req_id in ids]
 

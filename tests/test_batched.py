@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import bit_identical_in_some_try
+from conftest import generate_together
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, make_payload, results
@@ -64,26 +64,19 @@ def test_batched_steering_equals_the_same_steering_as_a_block(llama):
     llm = llama.vllm_entrypoint
     spec_a, spec_b = _spec(VEC_A), _spec(VEC_B)
 
-    def run() -> tuple:
-        as_spec = llm.generate(PROMPTS, [_params(spec_a), _params(spec_b), _params(spec_a), _params(),
-                                         _params(spec_a)], use_tqdm=False)
-        block_a, block_b = make_payload(_block_a), make_payload(_block_b)
-        as_block = llm.generate(PROMPTS, [_params(block_a, code=True), _params(block_b, code=True),
-                                          _params(block_a, code=True), _params(),
-                                          _params(block_a, code=True)], use_tqdm=False)
-        return as_spec, as_block
-
-    # the neighbour's baseline: the same traced traffic steering by zero, so its requests
-    # reach the engine as the steered ones do and the batches form alike (on a GPU the
-    # last bits of a GEMM depend on the batch; see bit_identical_in_some_try)
+    as_spec = generate_together(llm, PROMPTS, [_params(spec_a), _params(spec_b), _params(spec_a), _params(),
+                                               _params(spec_a)])
+    block_a, block_b = make_payload(_block_a), make_payload(_block_b)
+    as_block = generate_together(llm, PROMPTS, [_params(block_a, code=True), _params(block_b, code=True),
+                                                _params(block_a, code=True), _params(),
+                                                _params(block_a, code=True)])
+    # the neighbour's baseline: the same traced traffic steering by zero, in the same
+    # batches (generate_together: on a GPU the last bits of a GEMM depend on the batch)
     zero = _spec(torch.zeros_like(VEC_A))
-    (as_spec, as_block), base = bit_identical_in_some_try(
-        lambda: (run(), llm.generate(PROMPTS, [_params(zero)] * 3 + [_params(), _params(zero)], use_tqdm=False)),
-        lambda runs, base: _seen(runs[0])[3] == _seen(base)[3])
+    base = generate_together(llm, PROMPTS, [_params(zero)] * 3 + [_params(), _params(zero)])
     plain = llm.generate(PROMPTS, [_params()] * len(PROMPTS), use_tqdm=False)
     # the same edit, row for row and step for step: the same tokens; logprobs equal up to
-    # the last bits, which on a GPU depend on how each generate() call's batches formed
-    # (the two calls are separate runs; see bit_identical_in_some_try)
+    # the last bits (a block's edit runs other kernels than the spec's)
     for (tok_s, lp_s), (tok_b, lp_b) in zip(_seen(as_spec), _seen(as_block)):
         assert tok_s == tok_b
         for step_s, step_b in zip(lp_s, lp_b, strict=True):

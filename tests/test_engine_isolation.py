@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import HFRun, assert_close, bit_identical_in_some_try
+from conftest import HFRun, assert_close, generate_together
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, make_payload, results
@@ -49,10 +49,9 @@ def test_plugin_is_live_in_the_worker_process(llama):
 def test_untraced_neighbours_are_bit_identical(llama):
     llm = llama.vllm_entrypoint
     prompts = ["The capital of Japan is", "Hello world!", "One two three four"]
-    base, mixed = bit_identical_in_some_try(
-        lambda: (llm.generate(prompts, [_plain(), _plain(), _plain()], use_tqdm=False),
-                 llm.generate(prompts, [_traced(steer_block), _plain(), _traced(steer_block)], use_tqdm=False)),
-        lambda base, mixed: _tokens_and_logprobs(mixed[1]) == _tokens_and_logprobs(base[1]))
+    # (the same batches, step for step: see generate_together)
+    base = generate_together(llm, prompts, [_plain(), _plain(), _plain()])
+    mixed = generate_together(llm, prompts, [_traced(steer_block), _plain(), _traced(steer_block)])
     assert _tokens_and_logprobs(mixed[1]) == _tokens_and_logprobs(base[1])
     # ...while the traced ones really changed
     assert _tokens_and_logprobs(mixed[0]) != _tokens_and_logprobs(base[0])

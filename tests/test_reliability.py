@@ -41,8 +41,9 @@ def _tokens_and_logprobs(output):
 
 def _assert_same(got: list, want: list) -> None:
     """Outputs equal token for token and logprob for logprob: exactly on the CPU; on a
-    GPU to 1e-5, since a GEMM's last bits there depend on the batch a request joined
-    (tests/conftest.py: bit_identical_in_some_try). A NaN never passes."""
+    GPU to 1e-5, since a GEMM's last bits there depend on the batch a request joined,
+    which in a plain ``generate`` depends on when it reached the engine (tests/conftest.py:
+    generate_together). A NaN never passes."""
     exact = not torch.cuda.is_available()
     for a, b in zip(got, want, strict=True):
         (ta, la), (tb, lb) = _tokens_and_logprobs(a), _tokens_and_logprobs(b)

@@ -463,8 +463,8 @@ def test_what_a_plan_cannot_hold_runs_as_code_at_its_line_and_equals_hugging_fac
 
 def test_the_same_batch_twice_gives_the_same_saves_and_reports(zoo_runs):
     """Bit for bit on CPU. On a GPU a GEMM's last bits depend on which requests share
-    its step, and two runs of one batch may form steps differently (see
-    bit_identical_in_some_try): equal there to 1e-5."""
+    its step, and two runs of one trace may form steps differently (a request joins the
+    step running when it reaches the engine; see generate_together): equal there to 1e-5."""
     first, again = zoo_runs
     same = torch.equal if not torch.cuda.is_available() else \
         (lambda x, y: x.shape == y.shape and torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-5))
