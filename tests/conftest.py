@@ -135,24 +135,40 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
 
 def generate_together(llm, prompts: list, params) -> list:
     """``llm.generate(prompts, params)`` whose requests all reach the scheduler before its
-    first step: the scheduler is paused (vLLM's ``pause_scheduler("keep")``) while they are
-    added. Two runs of the same prompts then form the same batches, step for step.
+    first step: the scheduler is paused (vLLM's ``pause_scheduler("keep")``, which also
+    empties the prefix cache) while they are added. Two runs of the same prompts then
+    form the same batches, step for step; it asserts that every request took its first
+    step in the same one (so the prompts must fit one step's token budget and seats, and
+    every request must be valid).
 
     Why: a CUDA GEMM's last bits depend on the batch's token count, and in a plain
     ``generate`` which step a request joins depends on when it reaches the engine-core
     process (a traced request's payload takes longer to add), so bits compared across two
     runs could differ without the plugin touching anything. Here they cannot: a plugin
     that touched a neighbour's rows fails every time, on any device."""
+    from vllm.sampling_params import RequestOutputKind
+
     engine = llm.llm_engine
     params = params if isinstance(params, list) else [params] * len(prompts)
+    assert len(params) == len(prompts)
     tag = uuid.uuid4().hex[:8]
     ids = [f"together-{tag}-{i}" for i in range(len(prompts))]
-    engine.engine_core.call_utility("pause_scheduler", "keep", False)
+    core = engine.engine_core
+    pausing = hasattr(core, "call_utility")  # (an in-process engine steps only when asked: no pause needed)
+    if pausing:
+        core.call_utility("pause_scheduler", "keep", True)
+    added = []
     try:
-        for req_id, prompt, sp in zip(ids, prompts, params, strict=True):
-            engine.add_request(req_id, prompt, sp)
+        for req_id, prompt, sp in zip(ids, prompts, params):
+            sp = sp.clone()
+            sp.output_kind = RequestOutputKind.CUMULATIVE  # (an output per request per step)
+            added.append(engine.add_request(req_id, prompt, sp))
+    except BaseException:
+        engine.abort_request(added, internal=True)  # (nothing of this call is left to step)
+        raise
     finally:
-        engine.engine_core.call_utility("resume_scheduler")
+        if pausing:
+            core.call_utility("resume_scheduler")
     done, first = {}, None
     while engine.has_unfinished_requests():
         outs = engine.step()

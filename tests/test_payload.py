@@ -117,26 +117,37 @@ def test_large_result_buffers_reuse_freed_memory_and_never_a_buffer_in_use():
     assert warm_buffers.size_class(size) >= size and warm_buffers.size_class(size) <= size * 1.125 + 1
 
 
-def test_decoded_frames_are_private_copies_in_reused_memory_and_ran_as_needs_no_decode():
+def test_decoded_frames_are_private_copies_in_reused_memory_and_ran_as_needs_no_decode(monkeypatch):
     """The client copies a large frame (an every-token result: half a megabyte per
     request) into a pooled buffer: the tensor is its own (writing it leaves the frame
-    as it was) and once dropped its memory serves the next decode. A request's
-    ``ran_as`` is read without decoding its saves (it was a second full decode)."""
+    as it was), its block is not reused while any view of it lives, and once dropped
+    the block returns to the pool for the next decode. A request's
+    ``ran_as`` is read without decoding its saves (which would cost a second full decode)."""
     import gc
 
     from vllm_nnsight_plugin.boundary.outputs import install_saves_property
+    from vllm_nnsight_plugin.payload import warm_buffers
 
+    monkeypatch.setattr(warm_buffers, "_free", {})  # (an empty pool: blocks earlier tests freed are not counted)
+    monkeypatch.setattr(warm_buffers, "_kept", 0)
     rows = torch.randn(128, 1, 2048).to(torch.bfloat16)
     frame = bytes(rows.reshape(-1).view(torch.uint8).numpy())  # (read-only, as a received frame)
     wire = {"dtype": "bfloat16", "shapes": [[1, 2048]] * 128, "data": memoryview(frame)}
+    size_class = warm_buffers.size_class(len(frame))
     got = values.decode_tensors(wire)
-    assert all(torch.equal(a, b) for a, b in zip(got, rows.unbind(0)))
-    address = got[0].data_ptr()
+    assert len(got) == 128 and all(torch.equal(a, b) for a, b in zip(got, rows.unbind(0)))
     got[0].fill_(1)
-    assert bytes(frame) == bytes(rows.reshape(-1).view(torch.uint8).numpy())
+    assert frame == bytes(rows.reshape(-1).view(torch.uint8).numpy())  # a copy of its own
+    kept = got[-1]  # (a view of the block: the block stays in use)
     del got
     gc.collect()
-    assert values.decode_tensors(wire)[0].data_ptr() == address  # the freed block again
+    assert not warm_buffers._free.get(size_class)  # not back in the pool while `kept` lives
+    again = values.decode_tensors(wire)
+    assert kept.data_ptr() not in range(again[0].data_ptr(), again[-1].data_ptr() + 4096)
+    assert torch.equal(kept, rows[-1])
+    del kept, again
+    gc.collect()
+    assert len(warm_buffers._free.get(size_class, ())) == 2  # both blocks returned for the next decode
 
     class Output:  # (the attributes vLLM's RequestOutput carries)
         kv_transfer_params = {codec.PAYLOAD_KEY: {"saves": {"x": {"$tensor": {"dtype": "float32", "shape": [2],

@@ -23,6 +23,7 @@ import argparse
 import collections
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,20 @@ def _descendants(pid: int) -> list[int]:
 def _short(frame: str) -> str:
     """``func (dir/file.py:12)`` without the directories."""
     return re.sub(r"\(.*/", "(", frame)
+
+
+def _spy(pid: int, raw: str) -> tuple[str, subprocess.Popen]:
+    """py-spy recording ``pid`` into ``raw``, once it has attached (it says so on stdout)."""
+    with open(raw + ".err", "w") as err:
+        proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", str(RATE),
+                                 "--threads", "--nonblocking", "--output", raw],
+                                stdout=err, stderr=subprocess.STDOUT)
+    deadline = time.time() + 30
+    while "Sampling process" not in open(raw + ".err").read():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"py-spy did not attach to {pid}: {open(raw + '.err').read()[-2000:]}")
+        time.sleep(0.1)
+    return raw, proc
 
 
 def _counts(raw_path: str) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
@@ -119,7 +134,7 @@ def main() -> None:
     raw_dir = tempfile.mkdtemp(prefix="spy-")  # (raw stacks: only the tables are kept)
     from vllm.v1.engine import core_client
 
-    outputs_got = [0]  # front end: messages from the engine core, about one per engine step
+    outputs_got = [0]  # front end: messages from the engine core, about one per engine step (multi-process)
     get_output = core_client.SyncMPClient.get_output
 
     def counted(self: object) -> object:
@@ -135,13 +150,7 @@ def main() -> None:
     # rounds, each workload in turn: a drift of the machine over the run is shared by all
     for rnd in range(args.rounds):
         for name in workloads:
-            spies = {}
-            for label, pid in processes:
-                raw = os.path.join(raw_dir, f"{name}-{rnd}-{pid}.txt")
-                spies[label] = (raw, subprocess.Popen(
-                    ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", str(RATE), "--threads",
-                     "--nonblocking", "--output", raw], stdout=subprocess.DEVNULL, stderr=open(raw + ".err", "w")))
-            time.sleep(1.0)  # (py-spy attaches)
+            spies = {label: _spy(pid, os.path.join(raw_dir, f"{name}-{rnd}-{pid}.txt")) for label, pid in processes}
             outputs_got[0] = 0
             start, batches = time.time(), 0
             while time.time() - start < args.seconds / args.rounds or not batches:
@@ -155,10 +164,11 @@ def main() -> None:
             steps[name] += outputs_got[0]
             for _, proc in spies.values():
                 proc.send_signal(2)  # SIGINT: py-spy writes what it has
-            for _, proc in spies.values():
+            for label, (raw, proc) in spies.items():
                 proc.wait(timeout=60)
-            for label, (raw, _) in spies.items():
-                got = _counts(raw) if os.path.exists(raw) else (collections.Counter(),) * 3
+                if not os.path.exists(raw):  # (no samples is an error, not zero milliseconds)
+                    raise RuntimeError(f"py-spy wrote nothing for the {label}: {open(raw + '.err').read()[-2000:]}")
+                got = _counts(raw)
                 mine = counts[label].setdefault(name, [collections.Counter() for _ in got])
                 for acc, c in zip(mine, got):
                     acc.update(c)
@@ -173,6 +183,8 @@ def main() -> None:
         for label in counts:
             for table, c in zip((own, own_fn, total), counts[label][name]):
                 table[label][name] = collections.Counter({k: v * scale for k, v in c.items()})
+    shutil.rmtree(raw_dir, ignore_errors=True)
+    # (active: every thread's samples added up, so it may exceed the wall time)
     for label in own:
         print(f"\n===== {label}: active {', '.join(f'{n} {sum(c.values()):.0f}' for n, c in own[label].items())} "
               "ms per batch")

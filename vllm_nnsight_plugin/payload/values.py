@@ -108,6 +108,8 @@ def _owned(data: Any) -> torch.Tensor:
     if isinstance(data, np.ndarray):
         src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     elif isinstance(data, (bytes, bytearray, memoryview)):
+        if isinstance(data, memoryview) and not data.c_contiguous:
+            data = data.tobytes()
         src = np.frombuffer(data, dtype=np.uint8)
     else:
         raise TypeError(f"tensor data is a {type(data).__name__}")
@@ -158,7 +160,8 @@ def resolve_frames(obj: Any, frames: Any) -> None:
 def buffer(size: int) -> np.ndarray:
     """Binary data of ``size`` bytes, contents undefined, for a caller that overwrites
     every byte through ``torch.from_numpy`` (result buffers of every-token reads: 134 MB
-    per batch of 256); large ones reuse memory already faulted in (:mod:`.warm_buffers`)."""
+    per batch of 256, in the worker that encodes them and in the client that decodes
+    them); large ones reuse memory already faulted in (:mod:`.warm_buffers`)."""
     return warm_buffers.take(size)
 
 

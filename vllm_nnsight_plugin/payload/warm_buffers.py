@@ -1,7 +1,9 @@
 """Result buffers whose memory is already faulted in.
 
 An every-token read of 256 requests fills 134 MB of result buffers at the requests'
-last step (the headline workload), freed once the results have left the process.
+last step (the headline workload), freed once the results have left the process; the
+client copies the same bytes out of the message frames into tensors of its own, freed
+when the caller drops them. Both processes take those buffers from here.
 Fresh memory of that size comes from the kernel page by page on first write, and
 glibc hands freed large blocks back to it. So a freed buffer's memory is kept, up to
 :data:`KEEP_BYTES`, and the next buffer of about its size reuses it (on the CPU, an
@@ -22,7 +24,7 @@ import weakref
 
 import numpy as np
 
-KEEP_BYTES = 512 << 20  # free memory kept for reuse, at most
+KEEP_BYTES = 512 << 20  # free memory kept for reuse, at most (per process, for its lifetime)
 SMALL = 64 << 10  # below this the allocator's own free lists are warm (glibc hands back only blocks over 128 KB)
 _free: dict[int, list[bytearray]] = {}  # size class -> free blocks of that size
 _kept = 0
