@@ -29,8 +29,8 @@ def _set_saves(self: Any, value: dict[str, Any]) -> None:
 
 
 def _ran_as(self: Any) -> str | None:
-    # (read from the raw results: decoding every save to answer this took as long as
-    # the decode the caller already paid for)
+    # (read from the raw results: decoding every save to answer this would cost a
+    # second full decode)
     params = getattr(self, "kv_transfer_params", None) or {}
     return codec.ran_as_of(params.get(codec.PAYLOAD_KEY))
 

@@ -100,7 +100,7 @@ def _owned(data: Any) -> torch.Tensor:
     """Tensor data as a flat, owned, writable uint8 tensor (one copy: the frame or text
     it came in is not kept). Large data is copied into a pooled buffer (:func:`buffer`):
     an every-token batch brings 256 frames of half a megabyte, and fresh memory for each
-    cost more than the copy."""
+    costs more than the copy."""
     if isinstance(data, torch.Tensor):
         return data.detach().reshape(-1).view(torch.uint8).clone()
     if isinstance(data, str):
