@@ -15,6 +15,11 @@ alive, rounds of one rep each): the median over rounds of each round's ratio, fo
 
 pools the per-round ratios to stock of several interleaved runs of the same code (single
 rounds on the lent machines range +-0.3), with a bootstrap 95% interval of the median.
+
+    python3 benchmarks/gpu/table.py --user-way benchmarks/gpu/results/session14-user_way.json
+
+prints a ``user_way.py`` run's pairs the same way: per workload, the median ratio and
+its bootstrap interval.
 """
 
 from __future__ import annotations
@@ -60,6 +65,26 @@ def table(path: str) -> str:
     return "\n".join(out)
 
 
+def median_interval(ratios: list[float], rng: random.Random | None = None) -> tuple[float, float]:
+    """A bootstrap 95% interval of the median of ``ratios`` (4000 resamples)."""
+    rng = rng or random.Random(0)
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(4000))
+    return boot[100], boot[3899]
+
+
+def user_way(path: str) -> str:
+    """A ``user_way.py`` run's pairs as a table: median ratio and its bootstrap interval."""
+    with open(path) as fh:
+        rounds = json.load(fh)["rounds"]
+    out = [f"{path}: ratio to stock graphs per pair",
+           "| workload | pairs | median ratio | 95% interval (bootstrap) |", "|---|---:|---:|---|"]
+    for key in rounds[0]:
+        ratios = [p["ratio"] for r in rounds for p in r[key]]
+        low, high = median_interval(ratios)
+        out.append(f"| {key} | {len(ratios)} | {statistics.median(ratios):.2f} | {low:.2f}-{high:.2f} |")
+    return "\n".join(out)
+
+
 def pooled(paths: list[str]) -> str:
     """Per-round ratios to stock with graphs, pooled over interleaved runs."""
     pools: dict[tuple[str, str], list[float]] = {}
@@ -75,15 +100,19 @@ def pooled(paths: list[str]) -> str:
     out = [f"pooled per-round ratios to stock graphs over {len(paths)} runs",
            "| variant | workload | rounds | median ratio | 95% interval (bootstrap) |", "|---|---|---:|---:|---|"]
     for (variant, workload), ratios in pools.items():
-        boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(4000))
+        low, high = median_interval(ratios, rng)
         out.append(f"| {variant} | {workload} | {len(ratios)} | {statistics.median(ratios):.3f} | "
-                   f"{boot[100]:.3f}-{boot[3899]:.3f} |")
+                   f"{low:.3f}-{high:.3f} |")
     return "\n".join(out)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--pool"]:
         print(pooled(sys.argv[2:]))
+    elif sys.argv[1:2] == ["--user-way"]:
+        for arg in sys.argv[2:]:
+            print(user_way(arg))
+            print()
     else:
         for arg in sys.argv[1:]:
             print(table(arg))

@@ -10,8 +10,8 @@ is a pair run back to back on the same fresh prompts: stock vLLM's untraced batc
 and the workload (the plugin engine's untraced traffic, its traced workloads, a
 second stock engine), in alternating order; the pair's ratio is the workload's
 tokens/s over stock's. A round runs ``--pairs`` pairs of each workload, and rounds
-repeat until ``--seconds`` have passed; the table gives the median (and the range)
-over every pair of the run. ``--batches K`` makes each measurement K batches of fresh
+repeat until ``--seconds`` have passed; the table gives the median over every pair
+of the run, its bootstrap 95% interval, and the range. ``--batches K`` makes each measurement K batches of fresh
 prompts back to back; ``--pin`` gives each engine's processes their own CPU cores.
 Output tokens are counted from the outputs; any request that ended in an error, or
 did not run as the batched plan, fails the run.
@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import headline  # noqa: E402  (the model's config and size)
+from table import median_interval  # noqa: E402
 
 LAYER = 8
 OLEN = headline.OLEN  # (a block's names travel by value: an int, not the module)
@@ -281,15 +282,17 @@ def main() -> None:
     table = {k: {"tok_s": statistics.median(p["run"]["tokens"] / p["run"]["s"] for p in every(k)),
                  "stock_tok_s": statistics.median(p["stock"]["tokens"] / p["stock"]["s"] for p in every(k)),
                  "ratio": statistics.median(p["ratio"] for p in every(k)),
-                 "ratio_range": [min(p["ratio"] for p in every(k)), max(p["ratio"] for p in every(k))]}
+                 "ratio_range": [min(p["ratio"] for p in every(k)), max(p["ratio"] for p in every(k))],
+                 "ratio_interval": list(median_interval([p["ratio"] for p in every(k)]))}
              for k in rounds[0]}
     print(f"\n{len(rounds)} rounds x {args.pairs} pairs x {args.batches} batches of {headline.N} prompts"
           f"{', engines pinned to their own cores' if args.pin else ''}")
     print("\n| workload (user's code) | tok/s | stock beside it, tok/s | ratio to stock graphs (median of pairs) "
-          "| range |\n|---|---:|---:|---:|---:|")
+          "| 95% interval of the median (bootstrap) | range |\n|---|---:|---:|---:|---:|---:|")
     for k, row in table.items():
-        low, high = row["ratio_range"]
-        print(f"| {k} | {row['tok_s']:,.0f} | {row['stock_tok_s']:,.0f} | {row['ratio']:.2f} | {low:.2f}-{high:.2f} |")
+        (low, high), (lo_ci, hi_ci) = row["ratio_range"], row["ratio_interval"]
+        print(f"| {k} | {row['tok_s']:,.0f} | {row['stock_tok_s']:,.0f} | {row['ratio']:.2f} "
+              f"| {lo_ci:.2f}-{hi_ci:.2f} | {low:.2f}-{high:.2f} |")
     with open(os.path.join(out_dir, "user_way.json"), "w") as fh:
         json.dump({"rounds": rounds, "table": table}, fh, indent=1)
 
