@@ -481,6 +481,26 @@ def test_a_row_log_with_no_rows_encodes_as_an_empty_list():
     assert values.decode(values.encode(RowLog())) == []
 
 
+def test_a_row_log_encodes_one_shape_list_per_row_count():
+    """An every-step read ships one shape per step; equal shapes are one list repeated,
+    so a batch of 256 such requests leaves a few hundred objects for the cyclic GC to
+    track, not 32 768 (with a list per step, full collections took 70 ms of every third
+    ship step on the CPU: benchmarks/gpu/gather_bench.py). The values decode unchanged."""
+    from vllm_nnsight_plugin.engine.rowlog import RowLog
+
+    block = torch.arange(12 * 4, dtype=torch.float32).reshape(12, 4)
+    log = RowLog()
+    log.add(block, 0, 3)  # the prompt's three rows
+    for row in range(3, 12):  # then one row per step
+        log.add(block, row, row + 1)
+    encoded = values.encode(log, binary=True)
+    shapes = encoded["$tensors"]["shapes"]
+    assert shapes == [[3, 4]] + [[1, 4]] * 9 and len({id(s) for s in shapes}) == 2
+    got = values.decode(encoded)
+    assert [t.shape for t in got] == [(3, 4)] + [(1, 4)] * 9
+    assert torch.equal(torch.cat(got), block)
+
+
 def test_a_steady_batch_of_steering_specs_skips_the_walk_but_not_a_change(configs, monkeypatch):
     """Decode steps of the same requests, all steering through batched specs, only
     advance each spec's step count: end_step does not walk the batch. The edits keep

@@ -128,6 +128,9 @@ class RowLog:
         data = tagged.buffer(sum(self.counts) * math.prod(inner) * like.element_size())  # (all gathered into)
         if data.size:
             self._gather(torch.from_numpy(data).view(like.dtype).view(-1, *inner))
-        return {"$tensors": {"dtype": tagged.dtype_name(like.dtype),
-                             "shapes": [inner if self.squeeze else [n, *inner] for n in self.counts],
-                             "data": data}}
+        # one shape list per distinct row count, repeated (128 steps of one row each are
+        # one list, not 128: the cyclic GC then has a few hundred objects per batch to
+        # track, not 32 768)
+        shape_of: dict[int, list[int]] = {}
+        shapes = [shape_of.setdefault(n, inner if self.squeeze else [n, *inner]) for n in self.counts]
+        return {"$tensors": {"dtype": tagged.dtype_name(like.dtype), "shapes": shapes, "data": data}}
