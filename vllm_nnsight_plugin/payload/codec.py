@@ -290,10 +290,14 @@ class Results:
     ran_as: str | None = None
 
 
+def _results_dict(raw: Any) -> Any:
+    """``kv_transfer_params["nnsight"]`` as a dict (the HTTP path may carry it as JSON text)."""
+    return json.loads(raw) if isinstance(raw, str) else raw
+
+
 def ran_as_of(raw: Any) -> str | None:
     """How the request ran, from ``kv_transfer_params["nnsight"]``, its saves left as they are."""
-    if isinstance(raw, str):
-        raw = json.loads(raw)
+    raw = _results_dict(raw)
     return raw.get("ran_as") if isinstance(raw, dict) else None
 
 
@@ -301,7 +305,6 @@ def decode_results(raw: Any, resolve_result: Callable | None = None) -> Results 
     """Decode ``kv_transfer_params["nnsight"]`` (None when the request had none)."""
     if raw is None:
         return None
-    if isinstance(raw, str):
-        raw = json.loads(raw)
+    raw = _results_dict(raw)
     saves = {k: tagged.decode(v, resolve_result) for k, v in (raw.get("saves") or {}).items()}
     return Results(saves, raw.get("error"), list(raw.get("warnings") or []), raw.get("ran_as"))
