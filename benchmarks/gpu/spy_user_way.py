@@ -75,8 +75,9 @@ def _counts(raw_path: str) -> tuple[collections.Counter, collections.Counter, co
             frames = stack.split(";")[1:]  # (the first names the thread)
             if not frames:
                 continue
-            fns = [re.sub(r":\d+\)$", ")", _short(f)) for f in frames]  # (any line of it)
-            own[_short(frames[-1])] += int(count)
+            shorts = [_short(f) for f in frames]
+            fns = [re.sub(r":\d+\)$", ")", f) for f in shorts]  # (any line of it)
+            own[shorts[-1]] += int(count)
             own_fn[fns[-1]] += int(count)
             for f in set(fns):
                 total[f] += int(count)
@@ -107,7 +108,6 @@ def main() -> None:
     import headline
     import torch
     import user_way
-    from vllm import SamplingParams
 
     from vllm_nnsight_plugin import VLLM
 
@@ -115,15 +115,10 @@ def main() -> None:
         headline.N = args.n
     headline.make_config()
     user_way.STEER = torch.full((headline.HIDDEN,), 0.01, dtype=torch.bfloat16)
-    model = VLLM(headline.MODEL, taps=user_way.TAP, dispatch=True, load_format="dummy", skip_tokenizer_init=True,
-                 dtype="bfloat16", max_model_len=1024, seed=0,
-                 **({"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {}))
-    params = SamplingParams(**user_way.SAMPLING, detokenize=False)
-    runs = {"plain": lambda p: model.vllm_entrypoint.generate([{"prompt_token_ids": q} for q in p], params,
-                                                              use_tqdm=False),
-            "prefill": lambda p: user_way.prefill(model, p),
-            "every_token": lambda p: user_way.every_token(model, p),
-            "steer": lambda p: user_way.steer(model, p)}
+    runs = user_way.plugin_runs(VLLM(
+        headline.MODEL, taps=user_way.TAP, dispatch=True, load_format="dummy", skip_tokenizer_init=True,
+        dtype="bfloat16", max_model_len=1024, seed=0,
+        **({"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {})))
     workloads = args.workloads.split(",")
     for name in workloads:
         user_way._check(name, runs[name](user_way.prompts_for(7)))  # warm-up at full batch

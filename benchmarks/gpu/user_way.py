@@ -11,8 +11,8 @@ and the workload (the plugin engine's untraced traffic, its traced workloads, a
 second stock engine), in alternating order; the pair's ratio is the workload's
 tokens/s over stock's. A round runs ``--pairs`` pairs of each workload, and rounds
 repeat until ``--seconds`` have passed; the table gives the median over every pair
-of the run, its bootstrap 95% interval, and the range. ``--batches K`` makes each measurement K batches of fresh
-prompts back to back; ``--pin`` gives each engine's processes their own CPU cores.
+of the run, its bootstrap 95% interval, and the range. ``--batches K`` makes each
+measurement K batches of fresh prompts back to back; ``--pin`` gives each engine's processes their own CPU cores.
 Output tokens are counted from the outputs; any request that ended in an error, or
 did not run as the batched plan, fails the run.
 
@@ -76,6 +76,19 @@ def steer(model: Any, prompts: list[list[int]]) -> list[Any]:
                 for step in tracer.iter[:]:  # noqa: B007
                     model.model.layers[LAYER].output[0][:] += STEER
     return tracer.outputs
+
+
+def plugin_runs(model: Any) -> dict[str, Any]:
+    """The plugin engine's workloads: untraced traffic on its taps engine, and the traces."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(**SAMPLING, detokenize=False)
+
+    def plain(prompts: list[list[int]]) -> list[Any]:
+        return model.vllm_entrypoint.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    return {"plain": plain, "prefill": lambda p: prefill(model, p),
+            "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p)}
 
 
 def nnsight_runs(model: Any) -> dict[str, Any]:
@@ -172,15 +185,7 @@ def child(kind: str, memory: float) -> None:
     else:
         from vllm_nnsight_plugin import VLLM
 
-        model = VLLM(headline.MODEL, taps=TAP, dispatch=True, **engine)
-        params = SamplingParams(**SAMPLING, detokenize=False)
-
-        def plain(prompts: list[list[int]]) -> list[Any]:  # untraced traffic on the taps engine
-            return model.vllm_entrypoint.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                  use_tqdm=False)
-
-        runs = {"plain": plain, "prefill": lambda p: prefill(model, p),
-                "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p)}
+        runs = plugin_runs(VLLM(headline.MODEL, taps=TAP, dispatch=True, **engine))
     init = time.time() - t0
     plugin = kind == "plugin"
     for name, run in runs.items():
@@ -279,12 +284,13 @@ def main() -> None:
     def every(key: str) -> list[dict]:
         return [p for r in rounds for p in r[key]]
 
-    table = {k: {"tok_s": statistics.median(p["run"]["tokens"] / p["run"]["s"] for p in every(k)),
-                 "stock_tok_s": statistics.median(p["stock"]["tokens"] / p["stock"]["s"] for p in every(k)),
-                 "ratio": statistics.median(p["ratio"] for p in every(k)),
-                 "ratio_range": [min(p["ratio"] for p in every(k)), max(p["ratio"] for p in every(k))],
-                 "ratio_interval": list(median_interval([p["ratio"] for p in every(k)]))}
-             for k in rounds[0]}
+    table = {}
+    for k in rounds[0]:
+        ratios = [p["ratio"] for p in every(k)]
+        table[k] = {"tok_s": statistics.median(p["run"]["tokens"] / p["run"]["s"] for p in every(k)),
+                    "stock_tok_s": statistics.median(p["stock"]["tokens"] / p["stock"]["s"] for p in every(k)),
+                    "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                    "ratio_interval": list(median_interval(ratios))}
     print(f"\n{len(rounds)} rounds x {args.pairs} pairs x {args.batches} batches of {headline.N} prompts"
           f"{', engines pinned to their own cores' if args.pin else ''}")
     print("\n| workload (user's code) | tok/s | stock beside it, tok/s | ratio to stock graphs (median of pairs) "
