@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/remote.sh user_way [--seconds S] [--pin]   one trace, 256 invokes, default settings + taps
 #   bash benchmarks/gpu/remote.sh profile [--taps] [--v1] [every_token_spec ...]
 #   bash benchmarks/gpu/remote.sh spy [--workloads a,b] [--seconds S]   py-spy of vLLM's processes, user's way
+#   bash benchmarks/gpu/remote.sh gather [--batches N]   the worker's every-token gather alone
 #   bash benchmarks/gpu/remote.sh anchors     nnsight 0.8.1 taps (anchor harness) + stock graphs
 #   bash benchmarks/gpu/remote.sh stage       only stage (then STAGED=1 for runs side by side)
 set -euo pipefail
@@ -61,6 +62,8 @@ case "$what" in
       python3 .whl/anchors/make_tok.py /tmp/models
     fi
     OUT="$OUT" python3 benchmarks/gpu/user_way.py "$@" 2>&1 | tee "$OUT/user_way.log" ;;
+  gather)
+    python3 benchmarks/gpu/gather_bench.py "$@" 2>&1 | tee "$OUT/gather.log" ;;
   anchors)  # row 6 beside a stock-with-graphs reference (needs a bundle built with ANCHORS=1)
     # ANCHORS_GPU=i: the harness ends leftover GPU processes after each step; only on GPU i
     # (another job may run on the other GPU)

@@ -9,8 +9,10 @@ or two later (the CPU never waits for it), or at once in a request's last step.
 
 from __future__ import annotations
 
-from typing import Any
+from collections import deque
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -21,18 +23,20 @@ class FiniteLogits:
     step while the GPU runs this one, and one wait per step would undo that).
 
     A row is bad when its maximum is NaN or +inf (the maximum propagates NaN): one
-    reduction and one in-place pass per step, whatever the batch. Pinned buffers and
-    events are reused, so a steady batch allocates nothing per step."""
+    reduction, one comparison and one in-place pass per step, whatever the batch. The
+    engine core's step loop is CPU-bound, so the host side does no torch work: pinned
+    buffers and their events are reused (a steady batch allocates nothing per step)
+    and the landed flags are read through numpy views."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[list[str], torch.Tensor, Any]] = []  # oldest first
-        self._spare: list[tuple[torch.Tensor, Any]] = []  # (pinned buffer, event) pairs to reuse
+        self._pending: deque[tuple[list[str], _Buffer]] = deque()  # oldest first
+        self._spare: list[_Buffer] = []
 
     def check(self, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str]) -> list[str]:
         """Make the logits rows at ``index`` (those of ``req_ids``; None: every row, in
         order) finite; return the requests whose rows were not, in the steps checked so
         far whose copies have landed (on the CPU: this one too)."""
-        found = self.collect(wait=False)
+        found = self.collect(wait=False) if self._pending else []
         if not req_ids:
             return found
         part = logits if index is None else logits.index_select(0, index)
@@ -43,19 +47,20 @@ class FiniteLogits:
         else:
             logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
         if finite.device.type != "cuda":
-            return found + [r for r, ok in zip(req_ids, finite.tolist()) if not ok]
-        host, event = self._buffer(finite.shape[0])
-        host.copy_(finite, non_blocking=True)
-        event.record()
-        self._pending.append((req_ids, host, event))
+            return found + _bad(req_ids, finite.numpy())
+        buffer = self._buffer(len(req_ids))
+        buffer.host[:len(req_ids)].copy_(finite, non_blocking=True)
+        buffer.event.record()
+        self._pending.append((req_ids, buffer))
         return found
 
-    def _buffer(self, rows: int) -> tuple[torch.Tensor, Any]:
-        for i, (host, event) in enumerate(self._spare):
-            if host.shape[0] >= rows:
-                del self._spare[i]
-                return host[:rows], event
-        return torch.empty(max(rows, 256), dtype=torch.bool, pin_memory=True)[:rows], torch.cuda.Event()
+    def _buffer(self, rows: int) -> _Buffer:
+        spare = self._spare
+        for i in range(len(spare)):
+            if len(spare[i].flags) >= rows:
+                return spare.pop(i)
+        host = torch.empty(max(rows, 256), dtype=torch.bool, pin_memory=True)
+        return _Buffer(host, host.numpy(), torch.cuda.Event())
 
     @property
     def waiting(self) -> bool:
@@ -65,14 +70,30 @@ class FiniteLogits:
         """The requests whose rows were non-finite in the checked steps (``wait``: all of
         them, waiting for the device; else those whose copies have landed)."""
         found: list[str] = []
-        while self._pending:
-            req_ids, finite, event = self._pending[0]
-            if not wait and not event.query():
+        pending = self._pending
+        while pending:
+            req_ids, buffer = pending[0]
+            if wait:
+                buffer.event.synchronize()
+            elif not buffer.event.query():
                 break
-            event.synchronize()
-            self._pending.pop(0)
-            if not bool(finite.all()):
-                found += [r for r, ok in zip(req_ids, finite.tolist()) if not ok]
+            pending.popleft()
+            flags = buffer.flags[:len(req_ids)]
+            if not flags.all():
+                found += _bad(req_ids, flags)
             if len(self._spare) < 8:
-                self._spare.append((finite._base if finite._base is not None else finite, event))
+                self._spare.append(buffer)
         return found
+
+
+class _Buffer(NamedTuple):
+    """A pinned flag buffer, its numpy view (read without torch) and the event that
+    says its copy has landed."""
+
+    host: torch.Tensor
+    flags: np.ndarray
+    event: Any
+
+
+def _bad(req_ids: list[str], flags: np.ndarray) -> list[str]:
+    return [req_ids[i] for i in np.flatnonzero(~flags)]
