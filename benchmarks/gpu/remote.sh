@@ -72,7 +72,8 @@ case "$what" in
     AB_STEPS="${AB_STEPS:-stock_graph nn_taps}" OUT="$OUT" bash /tmp/anchors_run_all.sh 2>&1 \
       | tee "$OUT/anchors.log" | tail -40 ;;
   spy)  # spy [--workloads a,b] [--seconds S]: py-spy of each vLLM process, user's-way workloads
-    PATH=/tmp/site/bin:$PATH python3 benchmarks/gpu/spy_user_way.py "$@" > "$OUT/spy.txt" 2>&1 || true
+    # (spawn: the front end has touched CUDA by the time the engine starts)
+    VLLM_WORKER_MULTIPROC_METHOD=spawn PATH=/tmp/site/bin:$PATH python3 benchmarks/gpu/spy_user_way.py "$@" > "$OUT/spy.txt" 2>&1 || true
     grep -vE "^(INFO|WARNING|\(EngineCore)" "$OUT/spy.txt" | tail -150 ;;
   profile)  # profile [--taps] [--v1] workload...: one engine, one file
     python3 benchmarks/gpu/profile_capture.py "$@" > "$OUT/profile.txt" 2>&1 || true
