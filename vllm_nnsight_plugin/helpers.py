@@ -68,13 +68,12 @@ def results(output: Any, raise_errors: bool = True) -> dict[str, Any]:
     Raises :class:`InterventionError` when the block failed (unless
     ``raise_errors=False``). Returns ``{}`` when the output carried no payload.
     """
+    from .boundary.outputs import raw_results
     from .client.errors import make_error
 
-    if isinstance(output, dict):
-        params = output.get("kv_transfer_params") or {}
-    else:
-        params = getattr(output, "kv_transfer_params", None) or {}
-    res = codec.decode_results(params.get(codec.PAYLOAD_KEY))
+    raw = ((output.get("kv_transfer_params") or {}).get(codec.PAYLOAD_KEY) if isinstance(output, dict)
+           else raw_results(output))
+    res = codec.decode_results(raw)
     if res is None:
         return {}
     if res.error and raise_errors:

@@ -10,14 +10,14 @@ from ..payload import codec
 from ..payload.values import resolve_frames
 
 
-def _raw_results(output: Any) -> Any:
+def raw_results(output: Any) -> Any:
     """A ``RequestOutput``'s results as they came (None when it carried no payload)."""
     return (getattr(output, "kv_transfer_params", None) or {}).get(codec.PAYLOAD_KEY)
 
 
 def results_of(output: Any) -> codec.Results | None:
     """Decoded results on a ``RequestOutput`` (None when it carried no payload)."""
-    return codec.decode_results(_raw_results(output))
+    return codec.decode_results(raw_results(output))
 
 
 def _saves(self: Any) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def _set_saves(self: Any, value: dict[str, Any]) -> None:
 def _ran_as(self: Any) -> str | None:
     # (read from the raw results: decoding every save to answer this would cost a
     # second full decode)
-    return codec.ran_as_of(_raw_results(self))
+    return codec.ran_as_of(raw_results(self))
 
 
 def install_saves_property(request_output_cls: type) -> None:

@@ -424,8 +424,9 @@ def _attach(output: Any) -> None:
             value = getattr(value, arg) if op == "attr" else value[arg]
         return value
 
-    raw = (getattr(output, "kv_transfer_params", None) or {}).get(codec.PAYLOAD_KEY)
-    res = codec.decode_results(raw, resolve)
+    from ..boundary.outputs import raw_results
+
+    res = codec.decode_results(raw_results(output), resolve)
     if res is None:
         return
     output.saves = res.saves

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..boundary import engine_core, entrypoints, patching
 from ..boundary.frontend import check_payload, ensure_module_table
+from ..boundary.outputs import raw_results
 from ..payload import codec
 from ..payload import values as tagged
 from ..payload.codec import LARGE_PAYLOAD
@@ -58,9 +59,9 @@ def _reject(serving: Any, request: Any, raw: Any) -> Any:
 async def _capture(results: dict[int, Any], gen: AsyncIterator, indexed: bool) -> AsyncIterator:
     async for item in gen:
         output = item[1] if indexed else item
-        params = getattr(output, "kv_transfer_params", None) or {}
-        if codec.PAYLOAD_KEY in params:
-            results[item[0] if indexed else 0] = params[codec.PAYLOAD_KEY]
+        raw = raw_results(output)
+        if raw is not None:
+            results[item[0] if indexed else 0] = raw
         yield item
 
 
