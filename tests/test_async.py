@@ -192,11 +192,13 @@ def test_async_edits_install_apply_and_clear(amodel, hf_llama, loop):
 
 
 EXIT_SCRIPT = '''
-import asyncio, gc, sys
+import asyncio, gc, json, os, sys
 from vllm_nnsight_plugin import VLLM
 
+ENGINE_KWARGS = json.loads(os.environ.get("NNSIGHT_TEST_ENGINE_KWARGS", "{}"))  # (the suite's, e.g. a GPU share)
+
 async def one_trace(path):
-    model = VLLM(path, mode="async", dispatch=True, dtype="float32", max_model_len=256)
+    model = VLLM(path, mode="async", dispatch=True, dtype="float32", max_model_len=256, **ENGINE_KWARGS)
     with model.trace("Hello", max_tokens=2, temperature=0.0) as tracer:
         h = model.model.layers[0].output[0].save()
     out = await tracer.backend

@@ -4,12 +4,15 @@ parameters its wrappers expect: a vLLM upgrade that moves one fails here, naming
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import pathlib
+import re
 
 import pytest
 
-from vllm_nnsight_plugin.boundary import patching
+from vllm_nnsight_plugin.boundary import engine_core, patching
 
 
 def _has(module_name: str, name: str) -> bool:
@@ -65,6 +68,52 @@ def test_wrapped_functions_and_other_names_exist():
         source = inspect.getsource(cls.__init__) + inspect.getsource(cls.__mro__[1].__init__)
         for attr in attrs:
             assert f"self.{attr}" in source, f"{cls.__name__} no longer sets {attr}"
+
+
+def _vllm_imports() -> list[tuple[str, int, str, str]]:
+    """``(file, line, module, name)`` of every ``from vllm... import name`` in the package,
+    at any depth (most are inside functions: imported when first needed)."""
+    import vllm_nnsight_plugin
+
+    root = pathlib.Path(vllm_nnsight_plugin.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "vllm":
+                found += [(str(path.relative_to(root)), node.lineno, node.module, a.name) for a in node.names]
+    return found
+
+
+def test_every_vllm_name_the_package_imports_exists():
+    """The names the boundary imports when it first needs them (and the client's public
+    ``LLM``/``SamplingParams``) resolve in the installed vLLM: an upgrade that moves one
+    fails here, with the file and line, not later in a worker."""
+    imports = _vllm_imports()
+    assert len(imports) > 15 and any(f.startswith("boundary/") for f, *_ in imports)
+    missing = []
+    for file, line, module_name, name in imports:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(f"{file}:{line} {module_name}")
+            continue
+        if not hasattr(module, name) and importlib.util.find_spec(f"{module_name}.{name}") is None:
+            missing.append(f"{file}:{line} {module_name}.{name}")
+    assert not missing, f"not in this vLLM: {missing}"
+
+
+def test_attributes_read_with_a_default_exist():
+    """Attributes the boundary reads with ``getattr(..., default)`` (a missing one would
+    quietly switch a part off rather than fail): each is still set by this vLLM."""
+    from vllm.v1.core.sched import output, scheduler
+    from vllm.v1.worker import gpu_model_runner
+
+    runner = inspect.getsource(gpu_model_runner)
+    assert "self.cudagraph_dispatcher =" in runner  # runners.guard_v1_dispatcher: taps under full graphs
+    assert "self._kv_block_zeroer =" in runner or "self.kv_block_zeroer =" in runner  # runners.zero_kv_blocks
+    assert "resumed_req_ids" in inspect.signature(output.CachedRequestData).parameters  # runners.resumed_ids
+    queues = set(re.findall(r"self\.(\w+) = create_request_queue", inspect.getsource(scheduler.Scheduler.__init__)))
+    assert "waiting" in queues and queues <= set(engine_core.WAITING_QUEUES), queues  # engine_core.waiting_requests
 
 
 def test_patch_method_refuses_a_method_it_does_not_list():

@@ -38,10 +38,15 @@ def stamp(engine_core_output: Any, key: str, value: Any) -> None:
     engine_core_output.kv_transfer_params = params
 
 
+# the scheduler's queues of waiting requests, across vLLM versions (0.26: skipped_waiting;
+# 0.32: kv_holding_waiting); tests/test_vllm_boundary.py checks the installed one has no other
+WAITING_QUEUES = ("waiting", "skipped_waiting", "kv_holding_waiting")
+
+
 def waiting_requests(scheduler: Any) -> list[Any]:
     """The requests waiting to be scheduled (the queues vLLM's schedule() admits from)."""
     out: list[Any] = []
-    for name in ("waiting", "kv_holding_waiting"):
+    for name in WAITING_QUEUES:
         queue = getattr(scheduler, name, None)
         if queue:
             out.extend(queue)
