@@ -201,17 +201,22 @@ def test_a_recomputed_request_whose_blocks_are_over_fails_and_is_not_restarted()
     assert "preempted" in out["a"]["error"]["message"]
 
 
-def test_an_exception_in_the_tap_handler_never_breaks_the_forward():
+def test_an_exception_in_the_tap_handler_never_breaks_the_forward(caplog):
     from vllm_nnsight_plugin.engine import taps
 
     def broken(site, xs):
+        xs[0].add_(1.0)  # (an edit made before the failure stays: the block fails as unreached)
         raise RuntimeError("boom")
 
+    value = torch.zeros(2)
     taps.set_handler(broken)
     try:
-        taps._tap([torch.zeros(2)], "model.layers.0|output|T")  # logged, not raised
+        with caplog.at_level("ERROR", logger="vllm.nnsight_plugin"):
+            taps._tap([value], "model.layers.0|output|T")  # logged, not raised
     finally:
         taps.set_handler(None)
+    assert value.tolist() == [1.0, 1.0]
+    assert any("tap model.layers.0|output|T failed" in r.getMessage() and r.exc_info for r in caplog.records)
 
 
 def test_batched_reads_at_every_step_equal_hugging_face(llama, hf_llama):

@@ -25,7 +25,7 @@ def nnsight_payload_policy(kind, origin, settings):
 def nnsight_arch_adapter(architecture):
     if architecture == "LlamaForCausalLM":
         from vllm_nnsight_plugin.builtin_hooks import ArchAdapter
-        return ArchAdapter("model.layers", True, "model.norm", "lm_head")
+        return ArchAdapter("model.layers", True, "site.norm", "lm_head")  # (the builtin says model.norm)
     return None
 '''
 
@@ -77,5 +77,5 @@ def test_a_third_party_hookimpl_found_by_entry_point_decides_in_the_front_end(tm
     found = json.loads(line[len("RESULT "):])
     assert found["refusal"] == "this site runs JSON specs only (site policy)"
     assert found["spec"] is None
-    assert found["adapter"] == "model.norm"  # (the third party's adapter is asked first)
+    assert found["adapter"] == "site.norm"  # (the third party's adapter is asked before the builtin table)
     assert "site policy" in found["traced"]  # (a code block of an in-process caller, refused up front)

@@ -191,12 +191,17 @@ def test_the_validator_and_the_published_schema_agree():
 def test_random_bytes_never_raise_anything_but_a_payload_error():
     rng = random.Random(3)
     alphabet = '{}[]":,0123456789.eE-+ntrufalsNI\\ abc\n'
+    refused = 0
     for _ in range(3000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200)))
         try:
-            codec.parse_envelope(text)
-        except codec.PayloadError:
-            pass
+            env = codec.parse_envelope(text)
+        except codec.PayloadError as exc:
+            refused += 1
+            assert str(exc), text  # (a reason, never an empty message)
+        else:
+            assert isinstance(env, dict) and env["kind"] in ("spec", "code"), text
+    assert refused > 2900  # (random text is almost never a payload)
 
 
 # ----------------------------------------------------------------- code blocks
