@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from .payload.keys import PAYLOAD_KEY  # (torch-free: the entry point stays cheap)
+
 __all__ = ["VLLM", "make_payload", "results", "InterventionError", "PAYLOAD_KEY"]
 __version__ = "0.1.0"
-
-PAYLOAD_KEY = "nnsight"
 
 
 def __getattr__(name: str) -> Any:

@@ -67,6 +67,16 @@ def sampling_extra_args(params: Any) -> dict | None:
     return getattr(params, "extra_args", None)
 
 
+def engine_client(app: Any) -> Any:
+    """The engine client of vLLM's OpenAI server app (``collective_rpc`` reaches the workers)."""
+    return app.state.engine_client
+
+
+def app_vllm_config(app: Any) -> Any:
+    """The server's engine configuration (None before vLLM has put it on the app)."""
+    return getattr(app.state, "vllm_config", None)
+
+
 def serving_http() -> bool:
     """True in the OpenAI API server process (payloads arrive over HTTP)."""
     return any(loaded(name) for name in HTTP_SERVER_MODULES)

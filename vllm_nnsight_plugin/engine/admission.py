@@ -157,7 +157,7 @@ class Admission:
         """``tracer.cache()`` in a block that runs as code."""
         from ..payload import spec
 
-        spec.validate({"v": 1, "kind": "spec", "ops": [op]})
+        spec.validate(codec.spec_envelope([op]))
         return cache.attach(self, session, self.expand_cache(op), 1 << 20)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..payload import codec
 from . import record
 from .forward_types import output_structure
 from .proxies import RecEnvoy, RecTensor, RecTracer, RecTuple
@@ -130,7 +131,7 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
     if not ops:
         raise Unrecordable("it reads and edits nothing", None)
     ops.sort(key=lambda item: item[0])
-    return Lowered({"v": 1, "kind": "spec", "ops": [op for _, op, _ in ops]}, tuple(line for _, _, line in ops))
+    return Lowered(codec.spec_envelope([op for _, op, _ in ops]), tuple(line for _, _, line in ops))
 
 
 def _read(name: str, value: Any) -> tuple[int, dict[str, Any], int]:

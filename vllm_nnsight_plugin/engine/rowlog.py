@@ -133,4 +133,4 @@ class RowLog:
         # track, not 32 768)
         shape_of: dict[int, list[int]] = {}
         shapes = [shape_of.setdefault(n, inner if self.squeeze else [n, *inner]) for n in self.counts]
-        return {"$tensors": {"dtype": tagged.dtype_name(like.dtype), "shapes": shapes, "data": data}}
+        return tagged.tensors_tag(like.dtype, shapes, data)

@@ -38,11 +38,12 @@ from . import values as tagged
 from .errors import PayloadError
 
 # the keys a request carries in SamplingParams.extra_args (vllm_xargs over HTTP)
-PAYLOAD_KEY = "nnsight"  # the intervention: a code block or a JSON spec
-STREAM_KEY = "nnsight_stream"  # flag: deliver saves with every step's output
-EDITS_KEY = "nnsight_edits"  # names of the installed edits a request selects
-LOWER_KEY = "nnsight_lower"  # False runs the request's blocks as code (engine/lower.py)
-VERSION = 1
+from .keys import EDITS_KEY, LOWER_KEY, PAYLOAD_KEY, STREAM_KEY, VERSION  # noqa: F401 - re-exported
+
+
+def spec_envelope(ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """A spec payload's envelope around ``ops``."""
+    return {"v": VERSION, "kind": "spec", "ops": ops}
 DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 # JSON values one payload may hold: parsing holds the interpreter for about 0.1 us a value
 # (a front end's event loop too); tensor bytes travel as base64 strings, which parse at once

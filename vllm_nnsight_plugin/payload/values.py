@@ -165,6 +165,11 @@ def buffer(size: int) -> np.ndarray:
     return warm_buffers.take(size)
 
 
+def tensors_tag(dtype: torch.dtype, shapes: list[list[int]], data: Any) -> dict[str, Any]:
+    """The ``{"$tensors"}`` value of same-dtype tensors given as one buffer of bytes."""
+    return {"$tensors": {"dtype": dtype_name(dtype), "shapes": shapes, "data": data}}
+
+
 def encode_tensors(ts: list[torch.Tensor], binary: bool = False) -> dict[str, Any]:
     """Same-dtype tensors as one buffer: per-step rows cost one encode, not one each.
     Binary host tensors are concatenated straight into the returned data (one copy of

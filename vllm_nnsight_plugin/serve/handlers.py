@@ -153,9 +153,9 @@ def _json_results(original: Callable) -> Callable:
     def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if entrypoints.serving_http():
             for eco in engine_core_outputs:
-                params = eco.kv_transfer_params
-                if params and codec.PAYLOAD_KEY in params:
-                    engine_core.stamp(eco, codec.PAYLOAD_KEY, tagged.to_json(params[codec.PAYLOAD_KEY]))
+                raw = engine_core.payload_of(eco, codec.PAYLOAD_KEY)
+                if raw is not None:
+                    engine_core.stamp(eco, codec.PAYLOAD_KEY, tagged.to_json(raw))
         return original(self, engine_core_outputs, *args, **kwargs)
 
     return process_outputs

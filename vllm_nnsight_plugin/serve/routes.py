@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..boundary import configuration, patching
+from ..boundary import configuration, entrypoints, patching
 from ..payload.codec import LARGE_PAYLOAD
 from ..payload.tapset import from_settings
 
@@ -32,7 +32,7 @@ def add_routes(app: Any) -> None:
 
     @app.get("/v1/nnsight/tree")
     async def nnsight_tree(raw_request: Request) -> JSONResponse:
-        engine = raw_request.app.state.engine_client
+        engine = entrypoints.engine_client(raw_request.app)
         trees = await engine.collective_rpc("nnsight_module_tree")
         config = getattr(engine, "vllm_config", None)
         compiled = config is not None and not configuration.runs_eager(config)
@@ -62,9 +62,9 @@ def add_routes(app: Any) -> None:
             payload, name = body.get("payload"), body.get("name")
             if name is not None and not isinstance(name, str):
                 raise codec.PayloadError("'name' must be a string or null")
-            await ensure_module_table(raw_request.app.state.engine_client)
+            await ensure_module_table(entrypoints.engine_client(raw_request.app))
             # the same checks as a traced request's payload (policy, runner, compiled engine)
-            config = getattr(raw_request.app.state, "vllm_config", None)
+            config = entrypoints.app_vllm_config(raw_request.app)
             if isinstance(payload, str) and len(payload) > LARGE_PAYLOAD:  # a thread: the event loop may run
                 await asyncio.to_thread(check_payload, payload, None, config)
             else:
@@ -78,7 +78,7 @@ def add_routes(app: Any) -> None:
         edit_id = f"edit-{uuid.uuid4().hex[:12]}"
         edits.add(edit_id, name)  # before the RPC: no request slips past un-salted
         try:
-            await raw_request.app.state.engine_client.collective_rpc(
+            await entrypoints.engine_client(raw_request.app).collective_rpc(
                 "nnsight_install_edit", args=(edit_id, name, payload))
         except Exception:
             edits.remove([edit_id])
@@ -107,7 +107,7 @@ async def _clear(raw_request: Any, ids: list[str] | None) -> Any:
 
     if ids is not None and ids[0] not in edits.INSTALLED:
         return JSONResponse({"error": {"message": f"no edit {ids[0]!r}", "code": 404}}, status_code=404)
-    await raw_request.app.state.engine_client.collective_rpc("nnsight_clear_edits", args=(ids,))
+    await entrypoints.engine_client(raw_request.app).collective_rpc("nnsight_clear_edits", args=(ids,))
     edits.remove(ids)
     return JSONResponse({"edits": [{"id": i, "name": n} for i, n in edits.INSTALLED.items()]})
 
