@@ -103,7 +103,7 @@ _PHASES = [  # (module, class, method): each timed on its own (nested calls coun
     ("vllm_nnsight_plugin.boundary.runners", None, "v2_will_finish"),
     ("vllm_nnsight_plugin.boundary.runner_v2", None, "close_step"),
     ("vllm_nnsight_plugin.boundary.runner_v2", None, "admit_step"),
-    ("vllm_nnsight_plugin.engine.taps", None, "step_graph_mode"),
+    ("vllm_nnsight_plugin.boundary.tap_setup", None, "step_graph_mode"),
     ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "guard_logits"),
     ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "admit"),
     ("vllm_nnsight_plugin.engine.interleave", "Interleaver", "needs_python"),

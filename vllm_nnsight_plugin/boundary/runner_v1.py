@@ -17,11 +17,11 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..engine import lanes, taps
+from ..engine import lanes
 from ..engine.interleave import Interleaver
 from ..engine.rows import StepLayout
 from ..payload import codec
-from . import kv_blocks, parallel, patching, runners
+from . import kv_blocks, parallel, patching, runners, tap_setup
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 
@@ -36,7 +36,7 @@ def interleaver_of(runner: Any, create: bool = False) -> Interleaver | None:
     inter = runner.__dict__.get(_ATTR)
     if inter is None and create and _last_stage(runner):
         model = runners.runner_model(runner)
-        inter = Interleaver(model, runner.vllm_config, runner.__dict__.get(taps.SITES, ()))
+        inter = Interleaver(model, runner.vllm_config, runner.__dict__.get(tap_setup.SITES, ()))
         _wrap_compute_logits(model, inter)
         runner.__dict__[_ATTR] = inter
     return inter
@@ -188,8 +188,8 @@ _GRAPHS = "_nnsight_graph_mode"  # set while V1 picks this step's CUDA-graph mod
 def _load_model(original: Callable) -> Callable:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
-        taps.on_model_loaded(self)
-        if self.__dict__.get(taps.SITES) and not runners.is_v2_runner(self):
+        tap_setup.on_model_loaded(self)
+        if self.__dict__.get(tap_setup.SITES) and not runners.is_v2_runner(self):
             runners.guard_v1_dispatcher(self, lambda: self.__dict__.get(_GRAPHS))
         return out
 
@@ -199,7 +199,8 @@ def _load_model(original: Callable) -> Callable:
 def _determine_batch_execution(original: Callable) -> Callable:
     def determine(self: Any, *args: Any, **kwargs: Any) -> Any:
         so = self.__dict__.get(_SO)
-        mode = taps.step_graph_mode(self, so.num_scheduled_tokens) if so is not None else None
+        mode = None if so is None else tap_setup.step_graph_mode(self, self.__dict__.get(_ATTR),
+                                                                 so.num_scheduled_tokens)
         if mode is None:
             return original(self, *args, **kwargs)
         self.__dict__[_GRAPHS] = mode  # read by the dispatcher guard

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..engine import lanes, taps
+from ..engine import lanes
 from ..engine.rows import StepLayout
-from . import kv_blocks, patching, runners
+from . import kv_blocks, patching, runners, tap_setup
 from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
 
 _BATCH = "_nnsight_input_batch"  # this step's (InputBatch, v2_batch table), until sample_tokens
@@ -39,7 +39,7 @@ def _execute_model(original: Callable) -> Callable:
             lanes.settle()  # (an untraced step: lanes left from the last traced one are zeroed)
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
-        _graph_mode = taps.step_graph_mode(self, scheduler_output.num_scheduled_tokens)
+        _graph_mode = tap_setup.step_graph_mode(self, self.__dict__.get(_ATTR), scheduler_output.num_scheduled_tokens)
         try:
             return original(self, scheduler_output, *args, **kwargs)
         finally:

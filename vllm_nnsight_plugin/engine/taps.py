@@ -29,8 +29,7 @@ from ..payload.tapset import TapSet, from_settings
 from . import lanes
 
 OP_NAME = "nnsight::tap"
-SITES = "_nnsight_tap_sites"  # runner attribute: the tapped (path, kind) pairs of its model
-__all__ = ["TapSet", "from_settings", "install", "on_model_loaded", "step_graph_mode"]
+__all__ = ["TapSet", "from_settings", "install"]
 
 _handler: Callable[[str, list[torch.Tensor]], None] | None = None
 
@@ -131,40 +130,3 @@ def _input_hook(path: str) -> Callable:
             torch.ops.nnsight.tap([first], _site(path, "input", "T"))
 
     return hook
-
-
-def on_model_loaded(runner: Any) -> None:
-    """Runner ``load_model`` epilogue: on a compiled engine with taps declared, put
-    the tap op into the model and make vLLM split its graph there."""
-    from ..boundary import configuration, runners
-
-    log = logging.getLogger("vllm.nnsight_plugin")
-    config = runner.vllm_config
-    tapset = from_settings(configuration.additional_config(config))
-    if not tapset or configuration.runs_eager(config):
-        return
-    model = runners.runner_model(runner)
-    split = configuration.add_splitting_op(config, OP_NAME)
-    if not split:
-        log.warning("taps: this engine compiles the model as one graph (no split points); "
-                    "tapped steps run without CUDA graphs")
-    # how a step whose blocks may touch a tap must run: piecewise graphs (the op runs
-    # between pieces) where the graph is split at it, else without graphs
-    runner.__dict__["_nnsight_tap_mode"] = "piecewise" if split else "eager"
-    if configuration.additional_config(config).get("lanes", True):
-        lanes.enable(configuration.max_graph_batch(config))
-    sites = install(model, tapset)
-    if not sites:
-        log.error("taps %s match no module of %s", tapset.describe(), type(model).__name__)
-    runner.__dict__[SITES] = sites
-    log.info("taps: %d locations (%s)", len(sites), tapset.describe())
-
-
-def step_graph_mode(runner: Any, scheduled: dict[str, int]) -> str | None:
-    """None (vLLM's own choice), or "piecewise"/"eager" when a parked block of this
-    step may touch a tap (or a batched spec its lanes cannot serve): the tap op's
-    Python must run, so no full CUDA graph. ``scheduled``: tokens per request."""
-    inter = runner.__dict__.get("_nnsight_interleaver")
-    if not runner.__dict__.get(SITES) or inter is None or not inter.needs_python(scheduled):
-        return None
-    return runner.__dict__.get("_nnsight_tap_mode", "eager")
