@@ -12,6 +12,7 @@ from typing import Any
 from ..payload import codec
 from ..payload.tapset import TapSet
 from .envoy import Envoy
+from .requests import attach_results, sampling_kwargs, to_prompt
 from .tracer import _NO_PROMPT, Invoke, Tracer
 
 DEFAULT_TRACE_MAX_TOKENS = 1
@@ -23,56 +24,6 @@ def _is_with_statement(frame: Any) -> bool:
         if ins.offset > frame.f_lasti and ins.opname not in ("CACHE", "EXTENDED_ARG"):
             return ins.opname in ("BEFORE_WITH", "LOAD_SPECIAL", "SETUP_WITH")
     return False
-
-
-def to_prompt(prompt: Any) -> Any:
-    """A vLLM prompt from a str, token ids, a tokenizer encoding or a prompt dict."""
-    if isinstance(prompt, str):
-        return prompt
-    if hasattr(prompt, "tolist") and not isinstance(prompt, dict):
-        prompt = prompt.tolist()
-    if isinstance(prompt, (list, tuple)):
-        if prompt and isinstance(prompt[0], list):
-            if len(prompt) != 1:
-                raise ValueError("one prompt per invoke: got a batch of token id lists")
-            prompt = prompt[0]
-        return {"prompt_token_ids": [int(t) for t in prompt]}
-    if isinstance(prompt, dict) or hasattr(prompt, "keys"):
-        keys = set(prompt.keys())
-        if "input_ids" in keys:
-            ids = prompt["input_ids"]
-            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-            if ids and isinstance(ids[0], list):
-                if len(ids) != 1:
-                    raise ValueError("one prompt per invoke: got a batch of encodings")
-                ids = ids[0]
-            mask = prompt.get("attention_mask") if hasattr(prompt, "get") else None
-            if mask is not None:
-                mask = mask.tolist() if hasattr(mask, "tolist") else list(mask)
-                if mask and isinstance(mask[0], list):
-                    mask = mask[0]
-                ids = [t for t, m in zip(ids, mask) if m]
-            return {"prompt_token_ids": [int(t) for t in ids]}
-        return dict(prompt)
-    raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
-
-
-def sampling_kwargs(trace_kw: dict[str, Any], invoke_kw: dict[str, Any], default_max: int | None) -> dict:
-    """Invoke keywords win for the fields they name; ``max_new_tokens`` is ``max_tokens``;
-    ``edits=[names]`` selects installed edits."""
-    merged: dict[str, Any] = {}
-    for source in (trace_kw, invoke_kw):
-        for key, value in source.items():
-            merged["max_tokens" if key == "max_new_tokens" else key] = value
-    if default_max is not None:
-        merged.setdefault("max_tokens", default_max)
-    if "edits" in merged:
-        from ..payload.codec import EDITS_KEY
-
-        extra = dict(merged.get("extra_args") or {})
-        extra[EDITS_KEY] = list(merged.pop("edits"))
-        merged["extra_args"] = extra
-    return merged
 
 
 class VLLM(Envoy):
@@ -241,7 +192,7 @@ class VLLM(Envoy):
         params = SamplingParams(**sampling_kwargs(sampling, {}, None))
         outputs = self._engine().generate([to_prompt(p) for p in batch], params, use_tqdm=False)
         for output in outputs:
-            _attach(output)
+            attach_results(output)
         return outputs
 
     def edit(self, name: str | None = None, inplace: bool = True, serve: str | None = None,
@@ -327,7 +278,7 @@ class VLLM(Envoy):
         if stream_saves:
             extra[STREAM_KEY] = 1
         params = SamplingParams(**kw, extra_args=extra)
-        return AsyncBackend(self._engine(), to_prompt(inv.prompt), params, _attach)
+        return AsyncBackend(self._engine(), to_prompt(inv.prompt), params, attach_results)
 
     def _run_invokes(self, invokes: list[Invoke], trace_sampling: dict[str, Any],
                      serve: tuple[str, str | None] | None = None) -> list[Any]:
@@ -348,7 +299,7 @@ class VLLM(Envoy):
             prompts.append(to_prompt(inv.prompt))
         outputs = self._engine().generate(prompts, params, use_tqdm=False)
         for output in outputs:
-            _attach(output)
+            attach_results(output)
         return outputs
 
 
@@ -370,7 +321,7 @@ class VLLM(Envoy):
             bodies.append(served.completion_body(name, to_prompt(inv.prompt), kw, self._payload(inv)))
         outputs = served.post_all(conn, bodies)
         for output in outputs:
-            _attach(output)
+            attach_results(output)
         return outputs
 
 
@@ -413,22 +364,3 @@ def _shutdown_at_exit(ref: Any) -> None:
             model.shutdown()
         except Exception:  # noqa: BLE001 - exiting anyway: never a traceback here
             pass
-
-
-def _attach(output: Any) -> None:
-    """Decode results onto the output: ``.saves``, ``.nnsight_error``, warnings."""
-
-    def resolve(path: list) -> Any:
-        value = output
-        for op, arg in path:
-            value = getattr(value, arg) if op == "attr" else value[arg]
-        return value
-
-    from ..boundary.outputs import raw_results
-
-    res = codec.decode_results(raw_results(output), resolve)
-    if res is None:
-        return
-    output.saves = res.saves
-    output.nnsight_error = res.error
-    output.nnsight_warnings = res.warnings

@@ -1,0 +1,75 @@
+"""What one invoke becomes on the way to vLLM and back: its prompt in a form vLLM
+takes, its sampling keywords, and the results put back on its ``RequestOutput``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..payload import codec
+
+
+def to_prompt(prompt: Any) -> Any:
+    """A vLLM prompt from a str, token ids, a tokenizer encoding or a prompt dict."""
+    if isinstance(prompt, str):
+        return prompt
+    if hasattr(prompt, "tolist") and not isinstance(prompt, dict):
+        prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple)):
+        if prompt and isinstance(prompt[0], list):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per invoke: got a batch of token id lists")
+            prompt = prompt[0]
+        return {"prompt_token_ids": [int(t) for t in prompt]}
+    if isinstance(prompt, dict) or hasattr(prompt, "keys"):
+        keys = set(prompt.keys())
+        if "input_ids" in keys:
+            ids = prompt["input_ids"]
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            if ids and isinstance(ids[0], list):
+                if len(ids) != 1:
+                    raise ValueError("one prompt per invoke: got a batch of encodings")
+                ids = ids[0]
+            mask = prompt.get("attention_mask") if hasattr(prompt, "get") else None
+            if mask is not None:
+                mask = mask.tolist() if hasattr(mask, "tolist") else list(mask)
+                if mask and isinstance(mask[0], list):
+                    mask = mask[0]
+                ids = [t for t, m in zip(ids, mask) if m]
+            return {"prompt_token_ids": [int(t) for t in ids]}
+        return dict(prompt)
+    raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def sampling_kwargs(trace_kw: dict[str, Any], invoke_kw: dict[str, Any], default_max: int | None) -> dict:
+    """Invoke keywords win for the fields they name; ``max_new_tokens`` is ``max_tokens``;
+    ``edits=[names]`` selects installed edits."""
+    merged: dict[str, Any] = {}
+    for source in (trace_kw, invoke_kw):
+        for key, value in source.items():
+            merged["max_tokens" if key == "max_new_tokens" else key] = value
+    if default_max is not None:
+        merged.setdefault("max_tokens", default_max)
+    if "edits" in merged:
+        extra = dict(merged.get("extra_args") or {})
+        extra[codec.EDITS_KEY] = list(merged.pop("edits"))
+        merged["extra_args"] = extra
+    return merged
+
+
+def attach_results(output: Any) -> None:
+    """Decode results onto the output: ``.saves``, ``.nnsight_error``, warnings."""
+
+    def resolve(path: list) -> Any:
+        value = output
+        for op, arg in path:
+            value = getattr(value, arg) if op == "attr" else value[arg]
+        return value
+
+    from ..boundary.outputs import raw_results
+
+    res = codec.decode_results(raw_results(output), resolve)
+    if res is None:
+        return
+    output.saves = res.saves
+    output.nnsight_error = res.error
+    output.nnsight_warnings = res.warnings
