@@ -164,16 +164,15 @@ def test_batched_spec_steering_at_a_tap_equals_the_block(tapped):
     prompts = ["The capital of Japan is", "Hello world!", "One two three four"]
     spec = _spec(VEC_A)
     before = _lane_stats(llm)
-    as_spec = llm.generate(prompts, [_params(spec), _params(), _params(spec)], use_tqdm=False)
+    as_spec = generate_together(llm, prompts, [_params(spec), _params(), _params(spec)])
     after = _lane_stats(llm)
     # every step's steering ran in the tap op's lane kernels (which a full CUDA graph
     # replays), none through Python
     assert after["lane"] >= before["lane"] + 5 and after["python"] == before["python"]
     block = make_payload(_block_a)
-    as_block = llm.generate(prompts, [_params(block, code=True), _params(), _params(block, code=True)],
-                            use_tqdm=False)
-    # exact tokens; logprobs to 1e-5: on the H200 (compiled, V2) they differed in the last
-    # bit (5e-7) between the two runs; on CPU they are bit-identical (test_batched.py)
+    as_block = generate_together(llm, prompts, [_params(block, code=True), _params(), _params(block, code=True)])
+    # the same batches (generate_together); exact tokens; logprobs to 1e-5: the lanes and
+    # a block as code may differ in the last bit on a GPU (5e-7 on the H200, compiled, V2)
     for (tok_s, lps_s), (tok_b, lps_b) in zip(_seen(as_spec), _seen(as_block)):
         assert tok_s == tok_b
         for step_s, step_b in zip(lps_s, lps_b):
@@ -201,14 +200,13 @@ def test_nnsight_style_blocks_run_in_the_lanes(tapped):
     # lanes' plan depends on the order of its groups (by object id) and may leave it to Python
     steer, read = make_payload(_block_a), make_payload(_read_stream)
     before = _lane_stats(llm)
-    lowered = llm.generate(prompts, [_params(steer), _params(), _params(read)], use_tqdm=False)
+    lowered = generate_together(llm, prompts, [_params(steer), _params(), _params(read)])
     after = _lane_stats(llm)
     assert after["lowered"] == before["lowered"] + 2
     assert after["lane"] >= before["lane"] + 5 and after["python"] == before["python"]
-    as_spec = llm.generate(prompts[:1], [_params(_spec(VEC_A))], use_tqdm=False)
-    as_code = llm.generate(prompts, [_params(steer, code=True), _params(), _params(read, code=True)],
-                           use_tqdm=False)
-    for other in (as_spec, as_code):  # (logprobs to 1e-5 across runs: see the test above)
+    as_spec = generate_together(llm, prompts, [_params(_spec(VEC_A)), _params(), _params()])
+    as_code = generate_together(llm, prompts, [_params(steer, code=True), _params(), _params(read, code=True)])
+    for other in (as_spec, as_code):  # (the same batches; logprobs to 1e-5: see the test above)
         (tok_l, lps_l), (tok_o, lps_o) = _seen(lowered)[0], _seen(other)[0]
         assert tok_l == tok_o
         assert all(abs(a[t] - b[t]) <= 1e-5 for a, b in zip(lps_l, lps_o) for t in a)
