@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..engine import lanes, stages
+from ..engine import lanes
 from ..engine.rows import StepLayout
-from . import kv_blocks, parallel, patching, runners, tap_setup
+from . import kv_blocks, patching, runners, tap_setup
 from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
 
 _BATCH = "_nnsight_input_batch"  # this step's (InputBatch, v2_batch table), until sample_tokens
@@ -34,24 +34,17 @@ def _execute_model(original: Callable) -> Callable:
             lanes.settle()
             return original(self, scheduler_output, *args, **kwargs)
         kv_blocks.zero_reused_blocks(self, scheduler_output)
-        carried = parallel.take_carried(args[0] if args else kwargs.get("intermediate_tensors"), stages.PREFIX)
         # V2 drops a preempted request's state and later re-sends it as new
-        inter = admit_step(self, scheduler_output, runners.preempted_ids(scheduler_output))
-        if inter is None:
+        if admit_step(self, scheduler_output, runners.preempted_ids(scheduler_output)) is None:
             lanes.settle()  # (an untraced step: lanes left from the last traced one are zeroed)
             return original(self, scheduler_output, *args, **kwargs)
-        if inter.stages is not None:
-            stages.receive(inter, carried or {})
         self.__dict__[_SO] = scheduler_output
-        _graph_mode = tap_setup.step_graph_mode(self, inter, scheduler_output.num_scheduled_tokens)
+        _graph_mode = tap_setup.step_graph_mode(self, self.__dict__.get(_ATTR), scheduler_output.num_scheduled_tokens)
         try:
-            out = original(self, scheduler_output, *args, **kwargs)
+            return original(self, scheduler_output, *args, **kwargs)
         finally:
             self.__dict__[_SO] = None
             _graph_mode = None
-        if inter.stages is not None and not inter.stages.last:
-            stages.send_on(inter, runners.intermediate_tensors_of(out))
-        return out
 
     return execute_model
 
@@ -78,8 +71,6 @@ def _prepare_inputs(original: Callable) -> Callable:
             self.__dict__[_STEADY] = (ids, spans, rows) if ids is not None else None
         self.__dict__[_BATCH] = (batch, table)
         inter.begin_step(StepLayout(spans, rows, runners.v2_padded_tokens(batch)))
-        if inter.stages is not None:
-            stages.serve(inter)  # (what earlier pipeline stages read: served before this stage's modules)
         return batch
 
     return prepare_inputs
