@@ -32,11 +32,6 @@ def iter_engine_outputs(outputs: dict) -> Any:
         yield from batch.outputs
 
 
-def payload_of(engine_core_output: Any, key: str) -> Any:
-    """What the worker put under ``key`` in an engine output's results (None: nothing)."""
-    return (engine_core_output.kv_transfer_params or {}).get(key)
-
-
 def stamp(engine_core_output: Any, key: str, value: Any) -> None:
     params = dict(engine_core_output.kv_transfer_params or {})
     params[key] = value

@@ -11,7 +11,8 @@ from ..payload.values import resolve_frames
 
 
 def raw_results(output: Any) -> Any:
-    """A ``RequestOutput``'s results as they came (None when it carried no payload)."""
+    """A ``RequestOutput``'s (or ``EngineCoreOutput``'s) results as they came (None when
+    it carried no payload)."""
     return (getattr(output, "kv_transfer_params", None) or {}).get(codec.PAYLOAD_KEY)
 
 

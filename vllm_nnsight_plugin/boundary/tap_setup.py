@@ -21,7 +21,8 @@ def on_model_loaded(runner: Any) -> None:
     the tap op into the model and make vLLM split its graph there."""
     log = logging.getLogger("vllm.nnsight_plugin")
     config = runner.vllm_config
-    tapset = from_settings(configuration.additional_config(config))
+    settings = configuration.additional_config(config)
+    tapset = from_settings(settings)
     if not tapset or configuration.runs_eager(config):
         return
     model = runners.runner_model(runner)
@@ -32,7 +33,7 @@ def on_model_loaded(runner: Any) -> None:
     # how a step whose blocks may touch a tap must run: piecewise graphs (the op runs
     # between pieces) where the graph is split at it, else without graphs
     runner.__dict__[_MODE] = "piecewise" if split else "eager"
-    if configuration.additional_config(config).get("lanes", True):
+    if settings.get("lanes", True):
         lanes.enable(configuration.max_graph_batch(config))
     sites = taps.install(model, tapset)
     if not sites:

@@ -40,14 +40,15 @@ from .errors import PayloadError
 # the keys a request carries in SamplingParams.extra_args (vllm_xargs over HTTP)
 from .keys import EDITS_KEY, LOWER_KEY, PAYLOAD_KEY, STREAM_KEY, VERSION  # noqa: F401 - re-exported
 
-
-def spec_envelope(ops: list[dict[str, Any]]) -> dict[str, Any]:
-    """A spec payload's envelope around ``ops``."""
-    return {"v": VERSION, "kind": "spec", "ops": ops}
 DEFAULT_MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 # JSON values one payload may hold: parsing holds the interpreter for about 0.1 us a value
 # (a front end's event loop too); tensor bytes travel as base64 strings, which parse at once
 MAX_JSON_ITEMS = 1 << 18
+
+
+def spec_envelope(ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """A spec payload's envelope around ``ops``."""
+    return {"v": VERSION, "kind": "spec", "ops": ops}
 
 
 def max_payload_bytes() -> int:

@@ -153,7 +153,7 @@ def _json_results(original: Callable) -> Callable:
     def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if entrypoints.serving_http():
             for eco in engine_core_outputs:
-                raw = engine_core.payload_of(eco, codec.PAYLOAD_KEY)
+                raw = raw_results(eco)  # (an engine output carries them as a RequestOutput does)
                 if raw is not None:
                     engine_core.stamp(eco, codec.PAYLOAD_KEY, tagged.to_json(raw))
         return original(self, engine_core_outputs, *args, **kwargs)
