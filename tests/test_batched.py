@@ -186,6 +186,27 @@ def test_batched_edits_keep_each_requests_block_order():
     torch.testing.assert_close(seen["out"][1], (raw[1] + 10) * 0.5)
 
 
+def test_a_step_range_in_a_steady_batch_ends_at_its_last_step():
+    """A batched edit of steps 0-3 in requests that keep generating: the steady batch
+    takes the shortcut that only counts steps, and still stops at step 3 (edited at
+    steps 0-3 only, the block over after step 3 while its request goes on)."""
+    model, inter = _toy()
+    four = _toy_spec({"op": "add", "module": "layers.0", "value": [10.0] * 4, "steps": [0, 1, 2, 3]})
+    params = SamplingParams(max_tokens=7)
+    inter.admit("a", {"nnsight": four}, params)
+    inter.admit("b", {"nnsight": four}, params)
+    edited, shortcut = [], []
+    handle = model.layers[0].register_forward_hook(lambda mod, args, out: edited.append(bool(out.abs().min() > 5)))
+    x = torch.zeros(2, 4)
+    for _ in range(7):
+        shortcut.append(inter._quiet is not None)
+        _step(model, inter, {"a": (0, 1), "b": (1, 2)}, x)
+    handle.remove()
+    assert edited == [True] * 4 + [False] * 3
+    assert any(shortcut[:4])  # (the shortcut ran while the edit was live)
+    assert not any(s.active for r in ("a", "b") for s in inter.sessions.get(r, ()))
+
+
 def test_a_recomputed_request_whose_blocks_are_over_fails_and_is_not_restarted():
     """vLLM preempts a request and recomputes it (V2 re-sends it as new): the edit its
     finished block made at prefill would be missing from the recompute, so say so."""

@@ -91,6 +91,9 @@ def close_step(inter: Interleaver, runner_output: Any, finishing: set[str]) -> N
     results = inter.end_step(finishing)
     if results:
         runners.attach_results(runner_output, results)
+    late, inter.late_errors = inter.late_errors, None
+    if late is not None:
+        runners.attach_late_results(runner_output, late)
 
 
 def _execute_model(original: Callable) -> Callable:

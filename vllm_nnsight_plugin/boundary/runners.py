@@ -212,12 +212,7 @@ def runner_model(runner: Any) -> Any:
 
 def attach_results(model_runner_output: Any, results: dict) -> None:
     """Results ride the runner output as an extra attribute (pickles with it)."""
-    target = model_runner_output
-    for attr in ("_model_runner_output", "model_runner_output"):  # async-scheduling wrappers
-        inner = getattr(target, attr, None)
-        if inner is not None:
-            target = inner
-            break
+    target = _inner_output(model_runner_output)
     if target is None or type(target).__name__ != "ModelRunnerOutput":
         return
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
@@ -225,6 +220,34 @@ def attach_results(model_runner_output: Any, results: dict) -> None:
     if target is EMPTY_MODEL_RUNNER_OUTPUT:
         return
     target.nnsight = results
+
+
+def attach_late_results(runner_output: Any, late: Callable[[], dict]) -> None:
+    """Results known only once the device has finished the step: merged in where vLLM
+    takes an asynchronous output (``get_output``, after its own wait for the step's
+    sampled tokens, which the results' copies precede on the stream), else now."""
+    def merge(output: Any) -> Any:
+        found = late()
+        if found:
+            results = take_results(_inner_output(output)) or {}
+            for req_id, update in found.items():
+                results.setdefault(req_id, {}).update(update)
+            attach_results(output, results)
+        return output
+
+    get_output = getattr(runner_output, "get_output", None)
+    if get_output is None:
+        merge(runner_output)
+    else:  # (on this instance only; vLLM may call it from its output thread)
+        runner_output.get_output = lambda: merge(get_output())
+
+
+def _inner_output(runner_output: Any) -> Any:
+    for attr in ("_model_runner_output", "model_runner_output"):  # async-scheduling wrappers
+        inner = getattr(runner_output, attr, None)
+        if inner is not None:
+            return inner
+    return runner_output
 
 
 def take_results(model_runner_output: Any) -> dict | None:

@@ -3,13 +3,15 @@
 A traced request whose logits hold NaN or +inf ends with a per-request error naming
 the step. Its rows are made finite before sampling (a sampler fed NaN can fail for
 the whole batch). On a GPU the check is read once the device has got there, a step
-or two later (the CPU never waits for it), or at once in a request's last step.
+or two later (the CPU never waits for it); in a request's last step, where vLLM takes
+the step's output (it has waited for the step's sampled tokens by then).
 (KV blocks a traced request held are zeroed before reuse: ``boundary/kv_blocks.py``.)
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -65,6 +67,26 @@ class FiniteLogits:
     @property
     def waiting(self) -> bool:
         return bool(self._pending)
+
+    def detach(self) -> Callable[[], list[str]] | None:
+        """The checks not read yet, handed over (this object forgets them): a function
+        that returns the requests whose rows were not finite, waiting for the device if
+        it must. Safe to call from another thread; called where vLLM has already waited
+        for the step, it does not wait."""
+        if not self._pending:
+            return None
+        pending, self._pending = list(self._pending), deque()
+
+        def failed() -> list[str]:
+            found: list[str] = []
+            for req_ids, buffer in pending:
+                buffer.event.synchronize()
+                flags = buffer.flags[:len(req_ids)]
+                if not flags.all():
+                    found += _bad(req_ids, flags)
+            return found
+
+        return failed
 
     def collect(self, wait: bool = True) -> list[str]:
         """The requests whose rows were non-finite in the checked steps (``wait``: all of

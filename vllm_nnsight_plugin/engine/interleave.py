@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +58,9 @@ class Interleaver(Admission, ValueServing):
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
         self.finite = finite_logits.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
+        # errors known once the device has got past this step (the logits check of a
+        # request's last step): the runner adds them to the step's results where vLLM takes them
+        self.late_errors: Callable[[], dict[str, dict[str, Any]]] | None = None
         self._guard_memo: list | None = None  # [epoch, rows, traced ids, their rows' index, steps to a last step]
         self.requests = TracedRequests()
         self._served: set[int] | None = set()  # storages served to blocks (see owns)
@@ -72,12 +76,8 @@ class Interleaver(Admission, ValueServing):
         self._moving: list[RequestSession] = []  # ...whose blocks' snapshots are still on the device
         self._parents: dict[int, torch.nn.Module] | None = None
         self._ranks: dict[str, int] | None = None
-        # a step in which every traced request only advanced its batched specs' step
-        # count: (epoch, its spans, the sessions it advanced). The next step with the
-        # same requests, no admission or finish (epoch) and no spec over or failed
-        # (batched.stale) advances those sessions without walking the batch.
         self._epoch = 0
-        self._quiet: tuple[int, dict, list[RequestSession]] | None = None
+        self._quiet: _QuietBatch | None = None  # (see _QuietBatch)
         self._chunks: dict[str, tuple[int, int, bool]] = {}  # prompts split this step (see prompt_split)
 
     # the traced requests' state, read here; changed only by self.requests (TracedRequests)
@@ -189,10 +189,8 @@ class Interleaver(Admission, ValueServing):
         self.batched.check_reached(layout)
         loud = self.coded | self.report_every_step | finishing  # (requests that may ship this step)
         quiet = self._quiet
-        if quiet is not None and not loud and not self.batched.stale and quiet[0] == self._epoch \
-                and (quiet[1] is layout.spans or quiet[1] == layout.spans):
-            for session in quiet[2]:  # a steady batch of batched specs: only their step counts
-                session.step += 1
+        if quiet is not None and not loud and quiet.holds(self._epoch, layout.spans, self.batched.stale):
+            quiet.advance()
         else:
             self._quiet = None
             self._walk_step(layout, loud, finishing)
@@ -209,7 +207,8 @@ class Interleaver(Admission, ValueServing):
     def _walk_step(self, layout: StepLayout, loud: set[str], finishing: set[str] | frozenset) -> None:
         """end_step's pass over the batch: advance, end and record each traced request."""
         sessions = self.sessions
-        advanced: list[RequestSession] | None = [] if not loud else None  # (see self._quiet)
+        advanced: list[RequestSession] | None = [] if not loud else None  # (see _QuietBatch)
+        room: int | None = None
         for req_id in layout.spans:
             blocks = sessions.get(req_id)
             if not blocks:
@@ -228,10 +227,11 @@ class Interleaver(Admission, ValueServing):
                     for session in blocks:
                         if session.active and not more:
                             session.step += 1
-                            if session.last_step is not None:
-                                advanced = None  # (it must stop at its last step: walk each step)
-                            elif advanced is not None:
+                            if advanced is not None:
                                 advanced.append(session)
+                                if session.last_step is not None:  # (its last step needs the walk)
+                                    left = session.last_step - session.step
+                                    room = left if room is None else min(room, left)
                     continue
             advanced = None
             for session in blocks:
@@ -258,7 +258,7 @@ class Interleaver(Admission, ValueServing):
                     session.release()
                 self._epoch += 1
         if advanced is not None and not self.batched.stale:
-            self._quiet = (self._epoch, layout.spans, advanced)
+            self._quiet = _QuietBatch(self._epoch, layout.spans, advanced, room)
 
     def _ship(self) -> None:
         """The step's fresh snapshots to the CPU (one copy per dtype for all requests),
@@ -378,3 +378,27 @@ class Interleaver(Admission, ValueServing):
         if session.error is None:
             self._unwait(session)
             session.fail(message)
+
+
+@dataclass
+class _QuietBatch:
+    """A step in which every traced request only advanced its batched specs' step
+    count. The next steps with the same requests (``spans``), no admission or finish
+    (``epoch``), no spec over or failed (``batched.stale``), and ``room`` steps before
+    the first of them reaches its last step (None: none has one) advance those
+    sessions without walking the batch."""
+
+    epoch: int
+    spans: dict
+    sessions: list[RequestSession]
+    room: int | None
+
+    def holds(self, epoch: int, spans: dict, stale: bool) -> bool:
+        return epoch == self.epoch and not stale and (self.room is None or self.room > 0) \
+            and (spans is self.spans or spans == self.spans)
+
+    def advance(self) -> None:
+        for session in self.sessions:
+            session.step += 1
+        if self.room is not None:
+            self.room -= 1

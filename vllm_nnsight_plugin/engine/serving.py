@@ -11,7 +11,7 @@ import torch
 
 from . import guards, lanes, plan_ops, shards, taps
 from .rows import _per_token, assign_into, narrow
-from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait
+from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait, engine_error
 from .tree import leaves
 
 SERVED_LIMIT = 1 << 16  # distinct served storages remembered (eager engines reuse a bounded set)
@@ -223,12 +223,14 @@ class ValueServing:
         if room is not None:
             memo[4] = room - 1
         if self.finite.waiting and room is not None and room <= 0:
-            found += self.finite.collect()  # (a request's last step: its error must ship with it)
+            # a request's last step: its error must ship with its output, read where vLLM
+            # takes that output (a wait here, before sampling, would stall the step)
+            failed = self.finite.detach()
+            steps = {r: self.sessions[r][0].step for r in req_ids if r in self.sessions}
+            self.late_errors = lambda: {r: {"error": engine_error(_non_finite(steps.get(r, "?")))}
+                                        for r in failed()}
         for req_id in found:
-            step = self.sessions[req_id][0].step if req_id in self.sessions else "?"
-            self.fail_request(req_id, f"the logits held NaN or inf at step {step}: an edit made this request's "
-                                      "activations overflow or become NaN, so it ends here (its KV cache blocks "
-                                      "are zeroed before any other request gets them)")
+            self.fail_request(req_id, _non_finite(self.sessions[req_id][0].step if req_id in self.sessions else "?"))
 
 
     def keep_logits(self, logits: torch.Tensor) -> None:
@@ -382,3 +384,8 @@ class ValueServing:
             if wrong:
                 self._end_block(session, f"model.samples was set to a token id outside the vocabulary "
                                          f"(0..{self.vocab - 1}); the request ends here")
+
+
+def _non_finite(step: int | str) -> str:
+    return (f"the logits held NaN or inf at step {step}: an edit made this request's activations overflow or "
+            "become NaN, so it ends here (its KV cache blocks are zeroed before any other request gets them)")
