@@ -8,7 +8,15 @@ multi-process as users run it, and samples the front end and the engine core wit
 py-spy while each workload runs batch after batch (fresh prompts), the workloads
 taking turns for ``--rounds`` rounds of ``--seconds / --rounds`` each:
 
-    python3 benchmarks/gpu/spy_user_way.py [--workloads plain,steer,every_token] [--seconds 20] [--rounds 3]
+    python3 benchmarks/gpu/spy_user_way.py [--workloads plain,steer,every_token] [--seconds 20] [--rounds 3] [--gil]
+
+A workload ``steer~guard`` runs ``steer`` with the engine's logits check switched off
+(an ablation: does the rest of the step slow down with it?); ``~guardcopy`` keeps the
+check's device work but copies no flags to the host; ``~guardwait`` drops its one
+wait, in a request's last step. ``--gil`` also records
+each process a second time with only the samples of the thread holding the GIL: a
+function that is slower only in the first recording was waiting for the GIL (another
+thread of its process held it). Each recording ends with the active time per thread.
 
 Prints, per workload: seconds per batch (median) and engine outputs per batch (about
 one per engine step); then per process, milliseconds per batch of each workload
@@ -32,6 +40,55 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 RATE = 200  # py-spy samples per second
+_ABLATE_FLAG = os.environ.setdefault("SPY_ABLATE_FLAG", tempfile.mktemp(prefix="spy-ablate-"))
+
+
+_ABLATIONS = ("guard", "guardcopy", "guardwait")
+
+
+def _install_ablation() -> None:
+    """In the engine core (a spawned process imports this file as ``__mp_main__``): while
+    the front end holds the flag file, the part of the logits check it names is off."""
+    import torch
+
+    from vllm_nnsight_plugin.engine import finite_logits, serving
+
+    guard, check, collect = (serving.ValueServing.guard_logits, finite_logits.FiniteLogits.check,
+                             finite_logits.FiniteLogits.collect)
+
+    def ablated() -> str:
+        try:
+            with open(_ABLATE_FLAG) as fh:
+                return fh.read()
+        except OSError:
+            return ""
+
+    def guard_logits(self: object, logits: object) -> None:
+        if ablated() != "guard":
+            guard(self, logits)
+
+    def checked(self: object, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list) -> list:
+        if ablated() != "guardcopy" or not req_ids:
+            return check(self, logits, index, req_ids)
+        # the check's device work, no flags copied to the host
+        part = logits if index is None else logits.index_select(0, index)
+        (part.amax(dim=-1) < float("inf")).all()
+        if index is None:
+            torch.nan_to_num(logits, neginf=float("-inf"), out=logits)
+        else:
+            logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
+        return []
+
+    def collected(self: object, wait: bool = True) -> list:
+        return collect(self, wait and ablated() != "guardwait")  # guardwait: the last step's wait
+
+    serving.ValueServing.guard_logits = guard_logits
+    finite_logits.FiniteLogits.check = checked
+    finite_logits.FiniteLogits.collect = collected
+
+
+if __name__ != "__main__":
+    _install_ablation()
 
 
 def _descendants(pid: int) -> list[int]:
@@ -49,11 +106,11 @@ def _short(frame: str) -> str:
     return re.sub(r"\(.*/", "(", frame)
 
 
-def _spy(pid: int, raw: str) -> tuple[str, subprocess.Popen]:
+def _spy(pid: int, raw: str, gil: bool = False) -> tuple[str, subprocess.Popen]:
     """py-spy recording ``pid`` into ``raw``, once it has attached (it says so on stdout)."""
     with open(raw + ".err", "w") as err:
         proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", str(RATE),
-                                 "--threads", "--nonblocking", "--output", raw],
+                                 "--threads", "--nonblocking", *(["--gil"] if gil else []), "--output", raw],
                                 stdout=err, stderr=subprocess.STDOUT)
     deadline = time.time() + 30
     while "Sampling process" not in open(raw + ".err").read():
@@ -63,25 +120,30 @@ def _spy(pid: int, raw: str) -> tuple[str, subprocess.Popen]:
     return raw, proc
 
 
-def _counts(raw_path: str) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+def _counts(raw_path: str) -> tuple[collections.Counter, ...]:
     """py-spy's raw (collapsed) stacks: samples by leaf line and by leaf function (own
-    time), and by every function on the stack (total time, counted once per sample)."""
+    time), by every function on the stack (total time, counted once per sample), and
+    by thread (named by its outermost function)."""
     own: collections.Counter = collections.Counter()
     own_fn: collections.Counter = collections.Counter()
     total: collections.Counter = collections.Counter()
+    threads: collections.Counter = collections.Counter()
     with open(raw_path) as fh:
         for line in fh:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             frames = stack.split(";")[1:]  # (the first names the thread)
             if not frames:
                 continue
+            entry = next((f for f in frames if not re.search(r"\((<string>|.*(threading|process|spawn)\.py)", f)),
+                         frames[0])
+            threads[f"{stack.split(';')[0][:30]} {re.sub(r':[0-9]+[)]$', ')', _short(entry))}"] += int(count)
             shorts = [_short(f) for f in frames]
             fns = [re.sub(r":\d+\)$", ")", f) for f in shorts]  # (any line of it)
             own[shorts[-1]] += int(count)
             own_fn[fns[-1]] += int(count)
             for f in set(fns):
                 total[f] += int(count)
-    return own, own_fn, total
+    return own, own_fn, total, threads
 
 
 def _table(title: str, per_batch: dict[str, collections.Counter], top: int) -> str:
@@ -104,6 +166,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="each workload this many times, in turn")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--n", type=int, default=0, help="prompts per batch (default: the headline's)")
+    parser.add_argument("--gil", action="store_true", help="also record only the GIL holder's samples")
     args = parser.parse_args()
     import headline
     import torch
@@ -121,7 +184,8 @@ def main() -> None:
         **({"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {})))
     workloads = args.workloads.split(",")
     for name in workloads:
-        user_way._check(name, runs[name](user_way.prompts_for(7)))  # warm-up at full batch
+        if "~" not in name:
+            user_way._check(name, runs[name](user_way.prompts_for(7)))  # warm-up at full batch
     me = os.getpid()
     processes = [("front end", me)] + [
         (f"process {p} ({open(f'/proc/{p}/comm').read().strip()})", p)
@@ -145,18 +209,29 @@ def main() -> None:
     # rounds, each workload in turn: a drift of the machine over the run is shared by all
     for rnd in range(args.rounds):
         for name in workloads:
+            base, _, ablated = name.partition("~")
+            if ablated not in ("", *_ABLATIONS):
+                raise SystemExit(f"unknown ablation {ablated!r} (known: {', '.join(_ABLATIONS)})")
+            if ablated:
+                with open(_ABLATE_FLAG, "w") as fh:
+                    fh.write(ablated)
             spies = {label: _spy(pid, os.path.join(raw_dir, f"{name}-{rnd}-{pid}.txt")) for label, pid in processes}
+            if args.gil:
+                spies.update({f"{label} [GIL held]": _spy(pid, os.path.join(raw_dir, f"{name}-{rnd}-{pid}-gil.txt"),
+                                                          gil=True) for label, pid in processes})
             outputs_got[0] = 0
             start, batches = time.time(), 0
             while time.time() - start < args.seconds / args.rounds or not batches:
                 prompts = user_way.prompts_for(seed)
                 seed += 1
                 t = time.perf_counter()
-                outputs = runs[name](prompts)
+                outputs = runs[base](prompts)
                 walls[name].append(time.perf_counter() - t)
-                tokens[name] += user_way._check(name, outputs)
+                tokens[name] += user_way._check(base, outputs)
                 batches += 1
             steps[name] += outputs_got[0]
+            if ablated:
+                os.remove(_ABLATE_FLAG)
             for _, proc in spies.values():
                 proc.send_signal(2)  # SIGINT: py-spy writes what it has
             for label, (raw, proc) in spies.items():
@@ -167,7 +242,7 @@ def main() -> None:
                 mine = counts[label].setdefault(name, [collections.Counter() for _ in got])
                 for acc, c in zip(mine, got):
                     acc.update(c)
-    own, own_fn, total = ({label: {} for label in counts} for _ in range(3))
+    own, own_fn, total, threads = ({label: {} for label in counts} for _ in range(4))
     for name in workloads:
         n = len(walls[name])
         # (samples also cover py-spy's attach and a batch's tail: per batch is an estimate)
@@ -176,7 +251,7 @@ def main() -> None:
               flush=True)
         scale = 1000 / RATE / n
         for label in counts:
-            for table, c in zip((own, own_fn, total), counts[label][name]):
+            for table, c in zip((own, own_fn, total, threads), counts[label][name]):
                 table[label][name] = collections.Counter({k: v * scale for k, v in c.items()})
     shutil.rmtree(raw_dir, ignore_errors=True)
     # (active: every thread's samples added up, so it may exceed the wall time)
@@ -185,7 +260,8 @@ def main() -> None:
               "ms per batch")
         print(_table("own time by line", own[label], args.top))
         print(_table("own time by function", own_fn[label], args.top))
-        print(_table("total time", total[label], args.top), flush=True)
+        print(_table("total time", total[label], args.top))
+        print(_table("active time by thread", threads[label], args.top), flush=True)
 
 
 if __name__ == "__main__":
