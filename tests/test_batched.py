@@ -207,6 +207,51 @@ def test_a_step_range_in_a_steady_batch_ends_at_its_last_step():
     assert not any(s.active for r in ("a", "b") for s in inter.sessions.get(r, ()))
 
 
+def test_the_steady_batch_shortcut_changes_nothing_but_the_work(monkeypatch):
+    """Random batches of batched edits and reads over step lists, every step and the
+    prompt: with the shortcut that only counts steps, the same edits, results, step
+    counts and ended blocks as walking every step."""
+    import random
+
+    from vllm_nnsight_plugin.engine import interleave
+
+    def run(specs: dict[str, str], steps: int) -> tuple:
+        torch.manual_seed(0)
+        model, inter = _toy()
+        for req_id, spec in specs.items():
+            inter.admit(req_id, {"nnsight": spec}, SamplingParams(max_tokens=steps))
+        edited, results, shortcut = [], [], 0
+        handle = model.layers[0].register_forward_hook(
+            lambda mod, args, out: edited.append((out.abs() > 5).any(dim=1).tolist()))
+        spans = {r: (i, i + 1) for i, r in enumerate(specs)}
+        for _ in range(steps):
+            shortcut += inter._quiet is not None
+            out = _step(model, inter, spans, torch.zeros(len(specs), 4))
+            results.append(repr(sorted((r, sorted((k, repr(v)) for k, v in e.items())) for r, e in out.items())))
+        handle.remove()
+        state = {r: [(s.step, s.active) for s in inter.sessions.get(r, ())] for r in specs}
+        return (edited, results, state), shortcut
+
+    rng = random.Random(0)
+    used = 0
+    for _ in range(60):
+        specs = {}
+        for i in range(rng.randint(1, 3)):
+            steps = rng.choice(["all", "prefill", "list", "list"])
+            if steps == "list":
+                steps = sorted(rng.sample(range(8), rng.randint(1, 4)))
+            op = {"op": "add", "module": "layers.0", "value": [10.0] * 4} if rng.random() < 0.6 \
+                else {"op": "read", "name": "h", "module": "layers.0"}
+            specs[f"r{i}"] = _toy_spec({**op, "steps": steps})
+        with_shortcut, used_now = run(specs, 10)
+        with monkeypatch.context() as patch:
+            patch.setattr(interleave._QuietBatch, "holds", lambda self, *args: False)
+            walked, _ = run(specs, 10)
+        assert with_shortcut == walked, specs
+        used += used_now
+    assert used > 100  # (the shortcut ran)
+
+
 def test_a_recomputed_request_whose_blocks_are_over_fails_and_is_not_restarted():
     """vLLM preempts a request and recomputes it (V2 re-sends it as new): the edit its
     finished block made at prefill would be missing from the recompute, so say so."""

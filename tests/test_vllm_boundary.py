@@ -142,3 +142,44 @@ def test_the_core_imports_no_vllm():
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_late_results_ride_the_output_vllm_takes():
+    """Results known once the device has finished a step (the logits check of a
+    request's last step): merged where vLLM takes an asynchronous output, from any
+    thread, after the step's own results and without overwriting an error the step
+    recorded first; merged at once into an output that is not asynchronous."""
+    import threading
+
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    from vllm_nnsight_plugin.boundary import runners
+
+    class Pending(AsyncModelRunnerOutput):  # (vLLM's interface for an output still being copied; as V2's)
+        def __init__(self, inner):
+            self.model_runner_output = inner
+
+        def get_output(self):
+            return self.model_runner_output
+
+    def output():
+        return ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1})
+
+    late = {"a": {"error": {"message": "late a"}}, "b": {"error": {"message": "late b"}}}
+    pending = Pending(output())
+    own = {"b": {"error": {"message": "the step's own"}}, "c": {"saves": {}}}
+    runners.attach_results(pending, {k: dict(v) for k, v in own.items()})
+    runners.attach_late_results(pending, lambda: late)
+    assert runners.take_results(pending.model_runner_output) == own
+    taken = []
+    thread = threading.Thread(target=lambda: taken.append(pending.get_output()))  # (vLLM's output thread)
+    thread.start()
+    thread.join()
+    assert taken[0] is pending.model_runner_output
+    assert runners.take_results(taken[0]) == {"a": {"error": {"message": "late a"}}, **own}
+    now = output()
+    runners.attach_late_results(now, lambda: late)
+    assert runners.take_results(now) == late
+    quiet = output()
+    runners.attach_late_results(quiet, dict)  # (nothing found: nothing attached)
+    assert runners.take_results(quiet) is None

@@ -230,8 +230,10 @@ def attach_late_results(runner_output: Any, late: Callable[[], dict]) -> None:
         found = late()
         if found:
             results = take_results(_inner_output(output)) or {}
-            for req_id, update in found.items():
-                results.setdefault(req_id, {}).update(update)
+            for req_id, update in found.items():  # (an error the step recorded first stays)
+                entry = results.setdefault(req_id, {})
+                for key, value in update.items():
+                    entry.setdefault(key, value)
             attach_results(output, results)
         return output
 

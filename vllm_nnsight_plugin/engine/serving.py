@@ -387,5 +387,6 @@ class ValueServing:
 
 
 def _non_finite(step: int | str) -> str:
-    return (f"the logits held NaN or inf at step {step}: an edit made this request's activations overflow or "
+    # (by: the check is read once the device has got there, a step or two later)
+    return (f"the logits held NaN or inf by step {step}: an edit made this request's activations overflow or "
             "become NaN, so it ends here (its KV cache blocks are zeroed before any other request gets them)")
