@@ -23,7 +23,7 @@ from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
 from .requests import TracedRequests
 from .rows import StepLayout
-from .serving import ValueServing
+from .serving import GuardedRows, ValueServing
 from .session import RequestSession, engine_error, to_host
 
 
@@ -61,7 +61,7 @@ class Interleaver(Admission, ValueServing):
         # errors known once the device has got past this step (the logits check of a
         # request's last step): the runner adds them to the step's results where vLLM takes them
         self.late_errors: Callable[[], dict[str, dict[str, Any]]] | None = None
-        self._guard_memo: list | None = None  # [epoch, rows, traced ids, their rows' index, steps to a last step]
+        self._guard_memo: GuardedRows | None = None
         self.requests = TracedRequests()
         self._served: set[int] | None = set()  # storages served to blocks (see owns)
         self._lane_keys: dict[tuple, str] = {}  # location key -> tap site with lanes

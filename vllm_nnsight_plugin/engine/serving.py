@@ -5,6 +5,7 @@ together first), the logits guard, samples checked. A part of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,20 @@ from .tree import leaves
 SERVED_LIMIT = 1 << 16  # distinct served storages remembered (eager engines reuse a bounded set)
 
 
+
+
+@dataclass
+class GuardedRows:
+    """The logits rows the non-finite check covers, kept while the batch's rows and
+    requests stay the same (``epoch``, ``rows``): the traced requests that may edit,
+    their rows' index (None: every row, in order) and the steps until the first of them
+    reaches its last step by ``max_tokens`` (None: none has a limit)."""
+
+    epoch: int
+    rows: dict[str, int]
+    req_ids: list[str]
+    index: torch.Tensor | None
+    room: int | None
 
 
 class ValueServing:
@@ -194,15 +209,15 @@ class ValueServing:
         """Logits rows of traced requests that may edit made finite before sampling; a
         request whose rows were not fails (see :mod:`.finite_logits`). Requests that only
         read are not checked: they change no activation. On a GPU the check is read when
-        the device has got there, or at once in a request's last step by ``max_tokens``.
-        The checked rows' index is kept while the batch's rows and requests stay the
-        same (decode steps); None when they are all the rows, in order."""
+        the device has got there; in a request's last step by ``max_tokens``, where vLLM
+        takes that step's output (``late_errors``). The checked rows are kept while the
+        batch's rows and requests stay the same (:class:`GuardedRows`)."""
         layout = self.layout
         self.vocab = int(logits.shape[-1])
         if not self.sessions and not self.finite.waiting:
             return
         memo = self._guard_memo
-        if memo is None or memo[0] != self._epoch or not (memo[1] is layout.rows or memo[1] == layout.rows):
+        if memo is None or memo.epoch != self._epoch or not (memo.rows is layout.rows or memo.rows == layout.rows):
             sessions = self.sessions
             req_ids = sorted((r for r in sessions if r in layout.rows and any(s.edits for s in sessions[r])),
                              key=layout.rows.__getitem__)
@@ -217,11 +232,11 @@ class ValueServing:
             # of an unchanged batch advances one step per call)
             room = min((limit - (self.sessions[r][0].step + 1) for r in req_ids
                         if (limit := getattr(self.params.get(r), "max_tokens", None)) is not None), default=None)
-            memo = self._guard_memo = [self._epoch, layout.rows, req_ids, index, room]
-        _, _, req_ids, index, room = memo
-        found = self.finite.check(logits, index, req_ids)
+            memo = self._guard_memo = GuardedRows(self._epoch, layout.rows, req_ids, index, room)
+        req_ids, room = memo.req_ids, memo.room
+        found = self.finite.check(logits, memo.index, req_ids)
         if room is not None:
-            memo[4] = room - 1
+            memo.room = room - 1
         if self.finite.waiting and room is not None and room <= 0:
             # a request's last step: its error must ship with its output, read where vLLM
             # takes that output (a wait here, before sampling, would stall the step)
