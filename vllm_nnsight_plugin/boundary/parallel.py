@@ -7,6 +7,35 @@ from __future__ import annotations
 from typing import Any
 
 
+def stand_in_classes(model: Any) -> dict[int, type]:
+    """For each placeholder of a module another pipeline stage holds, the class of a
+    sibling this stage holds in the same ``ModuleList`` (decoder layers are alike), so a
+    block records into the same plan on every stage. (Others, e.g. the final norm on the
+    first stage, have none.)"""
+    import torch
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    out: dict[int, type] = {}
+    for parent in model.modules():
+        if not isinstance(parent, torch.nn.ModuleList):
+            continue
+        real = next((type(m) for m in parent if not isinstance(m, PPMissingLayer)), None)
+        if real is not None:
+            out.update({id(m): real for m in parent if isinstance(m, PPMissingLayer)})
+    return out
+
+
+def take_carried(intermediate_tensors: Any, prefix: str) -> dict[str, Any] | None:
+    """Pop the entries named ``prefix...`` from a step's received intermediate tensors
+    (vLLM copies every entry into buffers of its own, by name, so none may stay). Waits
+    for them to arrive, as vLLM does right after."""
+    if intermediate_tensors is None:
+        return None
+    tensors = intermediate_tensors.tensors
+    names = [k for k in tensors if k.startswith(prefix)]
+    return {k: tensors.pop(k) for k in names} if names else None
+
+
 def pipeline_stages(vllm_config: Any) -> int:
     return int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
 

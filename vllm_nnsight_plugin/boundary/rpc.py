@@ -74,9 +74,7 @@ def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str
     """Install an engine-wide edit (between steps: RPCs never run during a forward)."""
     from .runner_v1 import interleaver_of
 
-    inter = interleaver_of(self.model_runner, create=True)
-    if inter is not None:  # (None: an earlier pipeline stage, which traces nothing)
-        inter.install_edit(edit_id, name, payload)
+    interleaver_of(self.model_runner, create=True).install_edit(edit_id, name, payload)
     return True
 
 

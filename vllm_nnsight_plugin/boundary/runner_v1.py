@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..engine import lanes
+from ..engine import lanes, stages
 from ..engine.interleave import Interleaver
 from ..engine.rows import StepLayout
 from ..payload import codec
@@ -27,27 +27,17 @@ logger = logging.getLogger("vllm.nnsight_plugin")
 
 _ATTR = "_nnsight_interleaver"
 _SO = "_nnsight_scheduler_output"
-_LAST_STAGE = "_nnsight_last_stage"
 
 
 def interleaver_of(runner: Any, create: bool = False) -> Interleaver | None:
-    """The runner's interleaver (made on first need). None in an earlier pipeline
-    stage: only the last stage's results reach the scheduler, so it alone traces."""
+    """The runner's interleaver (made on first need; every pipeline stage has one)."""
     inter = runner.__dict__.get(_ATTR)
-    if inter is None and create and _last_stage(runner):
+    if inter is None and create:
         model = runners.runner_model(runner)
         inter = Interleaver(model, runner.vllm_config, runner.__dict__.get(tap_setup.SITES, ()))
         _wrap_compute_logits(model, inter)
         runner.__dict__[_ATTR] = inter
     return inter
-
-
-def _last_stage(runner: Any) -> bool:
-    """Whether the runner runs the last pipeline stage (asked once per runner)."""
-    last = runner.__dict__.get(_LAST_STAGE)
-    if last is None:
-        last = runner.__dict__[_LAST_STAGE] = parallel.last_pipeline_stage()
-    return last
 
 
 def _wrap_compute_logits(model: Any, inter: Interleaver) -> None:
@@ -99,15 +89,34 @@ def close_step(inter: Interleaver, runner_output: Any, finishing: set[str]) -> N
 def _execute_model(original: Callable) -> Callable:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         kv_blocks.zero_reused_blocks(self, scheduler_output)
-        if admit_step(self, scheduler_output, runners.resumed_ids(scheduler_output)) is None:
+        inter = admit_step(self, scheduler_output, runners.resumed_ids(scheduler_output))
+        receive_from_stages(self, args, kwargs)
+        if inter is None:
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
         try:
-            return original(self, scheduler_output, *args, **kwargs)
+            out = original(self, scheduler_output, *args, **kwargs)
         finally:
             self.__dict__[_SO] = None
+        send_to_next_stage(inter, out)
+        return out
 
     return execute_model
+
+
+def receive_from_stages(runner: Any, args: tuple, kwargs: dict) -> None:
+    """Pipeline parallel, a step's start: what earlier stages sent (popped from the
+    intermediate tensors whenever this stage traces at all: vLLM copies every entry)."""
+    inter = runner.__dict__.get(_ATTR)
+    if inter is not None and inter.stages is not None:
+        received = args[0] if args else kwargs.get("intermediate_tensors")
+        stages.receive(inter, parallel.take_carried(received, stages.PREFIX) or {})
+
+
+def send_to_next_stage(inter: Interleaver, runner_output: Any) -> None:
+    """Pipeline parallel, an earlier stage's step end (see :func:`.stages.send_on`)."""
+    if inter.stages is not None and not inter.stages.last:
+        stages.send_on(inter, runners.intermediate_tensors_of(runner_output))
 
 
 def _model_forward(original: Callable) -> Callable:
@@ -134,6 +143,8 @@ def _model_forward(original: Callable) -> Callable:
                     inter.prompt_split(req_id, prompt_len, computed, scheduled)
         num_tokens = int(ids.shape[0]) if ids is not None else start
         inter.begin_step(StepLayout(spans, rows, num_tokens))
+        if inter.stages is not None:
+            stages.serve(inter)  # (what earlier pipeline stages read: served before this stage's modules)
         try:
             return original(self, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - vLLM's own error, in a step blocks took part in

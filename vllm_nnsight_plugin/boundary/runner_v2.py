@@ -15,10 +15,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..engine import lanes
+from ..engine import lanes, stages
 from ..engine.rows import StepLayout
 from . import kv_blocks, patching, runners, tap_setup
-from .runner_v1 import _ATTR, _SO, _load_model, admit_step, close_step, sample_wrapper
+from .runner_v1 import (
+    _ATTR,
+    _SO,
+    _load_model,
+    admit_step,
+    close_step,
+    receive_from_stages,
+    sample_wrapper,
+    send_to_next_stage,
+)
 
 _BATCH = "_nnsight_input_batch"  # this step's (InputBatch, v2_batch table), until sample_tokens
 # the last decode-only step's (request ids, spans, rows): a step with the same ids reuses them
@@ -35,16 +44,20 @@ def _execute_model(original: Callable) -> Callable:
             return original(self, scheduler_output, *args, **kwargs)
         kv_blocks.zero_reused_blocks(self, scheduler_output)
         # V2 drops a preempted request's state and later re-sends it as new
-        if admit_step(self, scheduler_output, runners.preempted_ids(scheduler_output)) is None:
+        inter = admit_step(self, scheduler_output, runners.preempted_ids(scheduler_output))
+        receive_from_stages(self, args, kwargs)
+        if inter is None:
             lanes.settle()  # (an untraced step: lanes left from the last traced one are zeroed)
             return original(self, scheduler_output, *args, **kwargs)
         self.__dict__[_SO] = scheduler_output
-        _graph_mode = tap_setup.step_graph_mode(self, self.__dict__.get(_ATTR), scheduler_output.num_scheduled_tokens)
+        _graph_mode = tap_setup.step_graph_mode(self, inter, scheduler_output.num_scheduled_tokens)
         try:
-            return original(self, scheduler_output, *args, **kwargs)
+            out = original(self, scheduler_output, *args, **kwargs)
         finally:
             self.__dict__[_SO] = None
             _graph_mode = None
+        send_to_next_stage(inter, out)
+        return out
 
     return execute_model
 
@@ -71,6 +84,8 @@ def _prepare_inputs(original: Callable) -> Callable:
             self.__dict__[_STEADY] = (ids, spans, rows) if ids is not None else None
         self.__dict__[_BATCH] = (batch, table)
         inter.begin_step(StepLayout(spans, rows, runners.v2_padded_tokens(batch)))
+        if inter.stages is not None:
+            stages.serve(inter)  # (what earlier pipeline stages read: served before this stage's modules)
         return batch
 
     return prepare_inputs

@@ -252,6 +252,13 @@ def _inner_output(runner_output: Any) -> Any:
     return runner_output
 
 
+def intermediate_tensors_of(runner_output: Any) -> dict[str, Any] | None:
+    """The tensors an earlier pipeline stage's ``execute_model`` hands the next stage
+    (an ``IntermediateTensors``); None for any other output."""
+    tensors = getattr(runner_output, "tensors", None)
+    return tensors if isinstance(tensors, dict) else None
+
+
 def take_results(model_runner_output: Any) -> dict | None:
     return getattr(model_runner_output, "nnsight", None)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..payload import codec
-from . import batched, cache, guards, lower
+from . import batched, cache, guards, lower, stages
 from .envoy import WorkerEnvoy
 from .session import RequestSession, Wait
 from .tree import map_tensors
@@ -37,6 +37,9 @@ class Admission:
         if raw is not None:
             blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks),
                                         kept_code=kept_code, max_tokens=max_tokens))
+        if self.stages is not None and not self.stages.last:
+            self.stages.signatures[req_id] = stages.signature(blocks)  # (the last stage compares its own)
+            blocks = [b for b in blocks if b.batched and not b.error]  # (the last stage runs and reports the rest)
         if blocks:
             self._epoch += 1
             self.requests.admitted(req_id, blocks, params, every_step=bool(
@@ -69,7 +72,8 @@ class Admission:
                 session.ran_as = "batched" if session.batched else "spec, per request" + \
                     ("" if batchable else " (an earlier block of the request runs as code)")
                 return session
-            planned = self.lowerings.get(env, self.check_module_access, self.integer_inputs) \
+            planned = self.lowerings.get(env, functools.partial(self.check_module_access, planned=True),
+                                         self.integer_inputs) \
                 if kept_code is None and batchable else None
             if isinstance(planned, lower.Lowered):
                 self._admit_spec(session, planned.spec, index, max_tokens)
@@ -79,6 +83,8 @@ class Admission:
                 session.ran_as = "batched"
                 return session
             session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
+            if self.stages is not None and not self.stages.last:
+                return session  # (code runs on the last pipeline stage only: admit drops it here)
             line = planned.line if planned is not None else env["lineno"]
             why = kept_code or ("an earlier block of the request runs as code" if not batchable else planned.why)
             session.ran_as = f"code: {env['filename']}:{line} ({why})"
@@ -124,6 +130,8 @@ class Admission:
         from .spec_runner import run_spec
 
         guards.refuse_integer_writes(env, self.integer_inputs)
+        if self.stages is not None and self.stages.last:
+            guards.refuse_absent(env, self.absent)
         env = self.batched.with_caches(env, self.expand_cache)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
         if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet

@@ -120,20 +120,31 @@ class BatchedEdits(LanePlans):
         self._expanded: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # see with_caches
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
-        """Register a request's ops (applied in block then spec order per location)."""
-        entries = []
-        for op in env["ops"]:
-            if op["op"] in READ_OPS and not is_single(op):  # one row block per step
+        """Register a request's ops (applied in block then spec order per location).
+        Under pipeline parallel, only this stage's part (:meth:`.stages.StageTransport.role`)."""
+        stages = self.inter.stages
+        roles = [stages.role(op) if stages is not None else "run" for op in env["ops"]]
+        for op, role in zip(env["ops"], roles):
+            if role == "run" and op["op"] in READ_OPS and not is_single(op):  # one row block per step
                 session.namespace[op["name"]] = session.keep(RowLog(squeeze=_one_row(op)))
-        for number, op in enumerate(env["ops"]):
+        entries, exports = [], []
+        for number, (op, role) in enumerate(zip(env["ops"], roles)):
+            if role == "skip":
+                continue
             if op["op"] == "logits":
                 entries.append((LOGITS, Entry(session, op, number, block, self._seq(op))))
                 continue
             envoy = self.inter.envoy_at(op["module"])
             kind = op.get("io", "output")
-            self.inter.check_module_access(op["module"], kind)
-            entries.append(((id(envoy._module), kind), Entry(session, op, number, block, self._seq(op))))
-        for key, entry in entries:  # all ops checked first: a refused spec registers nothing
+            self.inter.check_module_access(op["module"], kind, planned=True)
+            key = (id(envoy._module), kind)
+            if role == "export":
+                exports.append((key, op["module"], kind, op))
+            else:
+                entries.append((key, Entry(session, op, number, block, self._seq(op))))
+        for key, path, kind, op in exports:  # all ops checked first: a refused spec registers nothing
+            stages.export(key, path, kind, session, op)
+        for key, entry in entries:
             self.at[key].append(entry)
             if entry.op.get("late"):
                 self.late.add(key)
@@ -296,7 +307,8 @@ class BatchedEdits(LanePlans):
                 continue
             for entry in entries:
                 session = entry.session
-                if session.active and session.req_id in layout.spans and not entry.op.get("optional"):
+                if session.active and session.req_id in layout.spans and not entry.op.get("optional") \
+                        and is_due(entry.op, session.step):
                     session.fail(
                         f"ops[{entry.number}] ({entry.op['op']} {entry.op.get('module', 'logits')}."
                         f"{entry.op.get('io', 'output')}) was not reached at step {session.step}: vLLM "

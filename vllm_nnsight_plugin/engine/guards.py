@@ -63,11 +63,12 @@ def table(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def absent_message(path: str, absent: Any) -> str:
-    """Why a module another pipeline stage holds cannot be traced (``absent``: the
-    paths this, the last, stage does not hold)."""
-    return (f"{path} is computed in an earlier pipeline stage (this engine runs pipeline parallel and "
-            f"only the last stage's results come back): traces reach the last stage's modules, "
-            f"model.logits and model.samples; the earlier stages hold {_summary(absent)}")
+    """Why a block run as code cannot touch a module another pipeline stage holds
+    (``absent``: the paths this, the last, stage does not hold)."""
+    return (f"{path} is computed in an earlier pipeline stage (this engine runs pipeline parallel): a block "
+            f"that runs as code reaches the last stage's modules, model.logits and model.samples; reads and "
+            f"edits of an earlier stage's modules run as a plan (a spec, or a block that runs batched). "
+            f"The earlier stages hold {_summary(absent)}")
 
 
 def _summary(absent: Any) -> str:
@@ -88,13 +89,31 @@ def held_elsewhere(path: str, absent: Any) -> bool:
 
 
 def refuse_absent(env: dict[str, Any], absent: Any) -> None:
-    """Raise :class:`PayloadError` for a spec op on a module another pipeline stage holds."""
+    """Raise :class:`PayloadError` for a spec that touches a module an earlier pipeline
+    stage holds in a way only the last stage could run (``absent``: those modules).
+    Batched reads and edits reach every stage (:mod:`.stages`); a cache or a spec that
+    runs per request does not, and a read before an edit of the same location would
+    get the edited value (the value that travels is the one the earlier stage left)."""
     if env.get("kind") != "spec" or not absent:
         return
+    batchable = all(op["op"] in ("add", "scale", "zero", "set", "read", "logits") for op in env["ops"])
+    edited_later: dict[tuple[str, str], int] = {}
+    for i, op in enumerate(env["ops"]):
+        if op["op"] in WRITES:
+            edited_later[(op["module"], op.get("io", "output"))] = i
     for i, op in enumerate(env["ops"]):
         for path in [op["module"]] if "module" in op else op.get("modules") or []:
-            if held_elsewhere(path, absent):
-                raise PayloadError(f"invalid spec at ops[{i}]: {absent_message(path, absent)}")
+            if not held_elsewhere(path, absent):
+                continue
+            if "modules" in op or not batchable:
+                what = "a cache" if "modules" in op else "a spec that runs per request (not batched)"
+                raise PayloadError(f"invalid spec at ops[{i}]: {path} is computed in an earlier pipeline stage, "
+                                   f"which {what} cannot reach; batched reads and edits can. The earlier "
+                                   f"stages hold {_summary(absent)}")
+            if op["op"] == "read" and edited_later.get((path, op.get("io", "output")), -1) > i:
+                raise PayloadError(f"invalid spec at ops[{i}]: reads {path} before editing it, but it is computed "
+                                   "in an earlier pipeline stage, whose value reaches the last stage after all of "
+                                   "that stage's edits: read it after the edit")
 
 
 def refuse_integer_writes(env: dict[str, Any], integer_inputs: Any) -> None:

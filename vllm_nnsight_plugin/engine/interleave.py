@@ -17,7 +17,7 @@ import torch
 
 from ..boundary import configuration, parallel
 from ..payload import codec
-from . import batched, budget, cache, finite_logits, host, lanes, lower, shards, taps
+from . import batched, budget, cache, finite_logits, host, lanes, lower, shards, stages, taps
 from .admission import Admission
 from .envoy import WorkerEnvoy, WorkerTracer
 from .limits import limits, measure
@@ -49,11 +49,13 @@ class Interleaver(Admission, ValueServing):
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
         # code blocks are recorded into plans
-        self.lowerings = lower.Lowerings(model, configuration.model_dtype(vllm_config), self.watchdog.limit_s)
+        piped = parallel.pipeline_stages(vllm_config) > 1  # (pipeline parallel: every stage records alike)
+        self.lowerings = lower.Lowerings(model, configuration.model_dtype(vllm_config), self.watchdog.limit_s,
+                                         parallel.stand_in_classes(model) if piped else None)
         self.splits = shards.Splits(model)  # tensor parallel: which locations are split across ranks
-        # pipeline parallel (this is the last stage): the modules earlier stages hold
-        self.absent = frozenset(parallel.absent_modules(model)) if parallel.pipeline_stages(vllm_config) > 1 \
-            else frozenset()
+        # pipeline parallel: the modules other stages hold, and how plans reach them
+        self.absent = frozenset(parallel.absent_modules(model)) if piped else frozenset()
+        self.stages = stages.StageTransport(self.absent, parallel.last_pipeline_stage()) if piped else None
         self.batched = batched.BatchedEdits(self)
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
         self.finite = finite_logits.FiniteLogits()
@@ -199,6 +201,8 @@ class Interleaver(Admission, ValueServing):
             self._served = set()
             host.release()  # (and later reads start fresh host blocks)
         self.batched.prune()
+        if self.stages is not None:
+            self.stages.prune()
         self._prune_hooks()
         self._ship()
         results, self.results = self.results, {}

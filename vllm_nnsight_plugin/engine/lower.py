@@ -62,10 +62,13 @@ class Fallback:
     line: int
 
 
-def recorder(model: torch.nn.Module, dtype: torch.dtype, shared: frozenset[int]) -> tuple[Recorder, Callable]:
+def recorder(model: torch.nn.Module, dtype: torch.dtype, shared: frozenset[int],
+             stand_ins: dict[int, type] | None = None) -> tuple[Recorder, Callable]:
     """A fresh recording and the resolver that loads a block's values into it (the
-    model, the tracer and envoys become proxies)."""
-    rec = Recorder(dtype, shared, output_structure)
+    model, the tracer and envoys become proxies). ``stand_ins``: the class to read a
+    module's forward from where this pipeline stage holds a placeholder for it."""
+    stand_ins = stand_ins or {}
+    rec = Recorder(dtype, shared, lambda m: output_structure(stand_ins.get(id(m), type(m))))
     root = RecEnvoy(rec, model, "")
     tracer = RecTracer(rec)
 
@@ -221,8 +224,9 @@ class Lowerings:
     """An engine's plans, cached by payload text: requests sending one block share
     one spec, so their ops batch by identity, and a hit records nothing."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, code_time_limit_s: float = 0.0):
-        self.model, self.dtype = model, dtype
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, code_time_limit_s: float = 0.0,
+                 stand_ins: dict[int, type] | None = None):
+        self.model, self.dtype, self.stand_ins = model, dtype, stand_ins  # (stand_ins: see recorder)
         # a recording takes at most the server's code time limit (a block would too)
         self.seconds = min(record.RECORD_TIME_S, code_time_limit_s) if code_time_limit_s > 0 \
             else record.RECORD_TIME_S
@@ -244,7 +248,7 @@ class Lowerings:
         cacheable = len(env["values"]) + len(env["source"]) <= CACHEABLE
         if cacheable and key in self._cache:
             return self._cache[key]
-        rec, resolve = recorder(self.model, self.dtype, self.shared())
+        rec, resolve = recorder(self.model, self.dtype, self.shared(), self.stand_ins)
         values = codec.load_code(env, resolve).values
         try:
             found = plan_block(rec, env["source"], env["filename"], env["lineno"], values, self.seconds)

@@ -99,7 +99,7 @@ class Recorder:
 
     dtype: torch.dtype
     shared: frozenset[int]
-    structure_of: Any  # module class -> 0 (a tensor), N (a tuple of N), None (unannotated)
+    structure_of: Any  # module -> 0 (a tensor), N (a tuple of N), None (unannotated)
     code: Any = None  # the block's code object (its frame gives the line)
     step: int = 0  # the step the block's accesses refer to now
     word: str | None = None  # inside an open-ended loop: "all" or "generated"
@@ -135,7 +135,7 @@ class Recorder:
             self.fail(f"{envoy._name()} is reachable by two paths (shared weights): it runs twice a step")
         self.seq += 1
         self.trail.append((envoy._path, io))
-        structure = self.structure_of(type(envoy._module)) if io == "output" else 0
+        structure = self.structure_of(envoy._module) if io == "output" else 0
         loc = _Loc(envoy._path, io, structure, self.at(), self.seq, self.line() or 0)
         if structure and structure > 0:
             return RecTuple(self, loc)

@@ -44,9 +44,14 @@ class ValueServing:
         return self.current
 
 
-    def check_module_access(self, path: str, kind: str = "output") -> None:
+    def check_module_access(self, path: str, kind: str = "output", planned: bool = False) -> None:
+        """Refuse a module value this engine cannot serve. ``planned``: for an op of a
+        plan, which reaches the modules of every pipeline stage (:mod:`.stages`)."""
         if self.absent and guards.held_elsewhere(path, self.absent):
-            raise InterventionFailure(guards.absent_message(path, self.absent))
+            if not planned or self.stages is None:
+                raise InterventionFailure(guards.absent_message(path, self.absent))
+            if self.eager or self.taps.matches(path, kind):
+                return  # (its stage serves it; a tap there when compiled)
         if self.eager or (path, kind) in self.tapped:
             return
         if self.tapped or self.taps:
@@ -113,7 +118,8 @@ class ValueServing:
     def _prune_hooks(self) -> None:
         for key in [k for k, lst in self.waiters.items() if not lst]:
             del self.waiters[key]
-        for key in [k for k in self.hooks if k not in self.waiters and k not in self.batched.at]:
+        exports = self.stages.exports if self.stages is not None else {}
+        for key in [k for k in self.hooks if k not in self.waiters and k not in self.batched.at and k not in exports]:
             self.hooks.pop(key).remove()
 
 
@@ -126,7 +132,8 @@ class ValueServing:
         def pre_hook(mod, args, kwargs):  # noqa: ANN001
             if self.waiters.get((id(mod), "inputs")):
                 self.serve((id(mod), "inputs"), (args, kwargs))
-            if self.waiters.get((id(mod), "input")) or (id(mod), "input") in self.batched.at:
+            if self.waiters.get((id(mod), "input")) or (id(mod), "input") in self.batched.at \
+                    or self.layout is not None and self._exporting((id(mod), "input")):
                 first = args[0] if args else next(iter(kwargs.values()), None)
                 self.serve((id(mod), "input"), first)
         return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -135,8 +142,13 @@ class ValueServing:
     def on_tap(self, site: str, xs: list[torch.Tensor]) -> None:
         """The tap op ran (between two graph pieces): serve blocks parked there."""
         key, code = self._site_key(site)
-        if self.layout is not None and (self.waiters.get(key) or key in self.batched.at):
+        if self.layout is not None and (self.waiters.get(key) or key in self.batched.at or self._exporting(key)):
             self.serve(key, taps.rebuild(code, xs))
+
+
+    def _exporting(self, key: tuple) -> bool:
+        """Whether this (earlier pipeline) stage sends the value at ``key`` on this step."""
+        return self.stages is not None and self.stages.exporting(key, self.layout.spans)
 
 
     def needs_python(self, scheduled: dict[str, int]) -> bool:
@@ -144,6 +156,8 @@ class ValueServing:
         spec needs more than its lanes give (the step must then run the tap op's
         Python: piecewise graphs or eager, not a full graph). ``scheduled``: tokens
         per request this step."""
+        if self.stages is not None and self.stages.exports:
+            return True  # (a value another stage reads is copied in the tap op's Python)
         if not self.coded:  # batched specs only: the lanes serve them all, or Python must
             return not self.sessions.keys().isdisjoint(scheduled) \
                 and not self.batched.lanes_cover(sum(scheduled.values()))
@@ -291,9 +305,13 @@ class ValueServing:
             whole, write_back = shards.gather(value, split, self.splits.ranks, self.splits.rank,
                                               inputs=key[-1] == "inputs")
             self._serve(key, whole, row_based)
+            if self._exporting(key):
+                self.stages.capture(key, whole)
             write_back()
             return
         self._serve(key, value, row_based)
+        if self.layout is not None and self._exporting(key):
+            self.stages.capture(key, value)
 
 
     def _touched(self, key: tuple) -> bool:
@@ -305,7 +323,7 @@ class ValueServing:
             if session.active and session.req_id in spans and plan_ops.is_due(entry.op, session.step):
                 return True
         return any(s.wait is not None and s.wait.key == key and s.wait.step == s.step and s.req_id in spans
-                   for s in self.waiters.get(key, ()))
+                   for s in self.waiters.get(key, ())) or self._exporting(key)
 
 
     def _refuse_location(self, key: tuple, why: str) -> None:

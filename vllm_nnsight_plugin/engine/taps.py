@@ -66,7 +66,7 @@ def register_op() -> None:
 # ----------------------------------------------------------------- in the model
 
 
-def _structure(value: Any) -> tuple[str, list[torch.Tensor]] | None:
+def flatten(value: Any) -> tuple[str, list[torch.Tensor]] | None:
     """A flat code for a module value: ``T`` (a tensor) or ``(TN...`` (a tuple/list
     of tensors and Nones), plus its tensors. Anything else cannot be tapped."""
     if isinstance(value, torch.Tensor):
@@ -115,7 +115,7 @@ def install(model: torch.nn.Module, taps: TapSet) -> list[tuple[str, str]]:
 
 def _output_hook(path: str) -> Callable:
     def hook(module: Any, args: Any, output: Any) -> None:
-        found = _structure(output)
+        found = flatten(output)
         if found is not None:
             code, xs = found
             torch.ops.nnsight.tap(xs, _site(path, "output", code))

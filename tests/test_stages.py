@@ -1,0 +1,75 @@
+"""Pipeline parallel without an engine: which stage runs a plan's op, and what one
+stage sends the next (values, op errors, plan signatures) survives the trip whole.
+The engine-level behaviour is in tests/test_tp.py."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_nnsight_plugin.engine.stages import StageTransport, signature
+
+ABSENT_ON_LAST = frozenset({"model.embed_tokens", "model.layers.0", "model.layers.1"})
+ABSENT_ON_FIRST = frozenset({"model.layers.2", "model.layers.3", "model.norm", "lm_head"})
+
+
+def test_each_op_runs_on_the_stage_that_holds_its_module():
+    first, last = StageTransport(ABSENT_ON_FIRST, False), StageTransport(ABSENT_ON_LAST, True)
+    read0 = {"op": "read", "name": "h", "module": "model.layers.0"}
+    edit0 = {"op": "add", "module": "model.layers.0", "value": [1.0]}
+    read2 = {"op": "read", "name": "h", "module": "model.layers.2.mlp"}
+    edit2 = {"op": "add", "module": "model.layers.2", "value": [1.0]}
+    logits = {"op": "logits", "name": "l"}
+    root = {"op": "read", "name": "m", "module": "model"}
+    assert [first.role(op) for op in (read0, edit0, read2, edit2, logits, root)] == \
+        ["export", "run", "skip", "skip", "skip", "skip"]
+    assert [last.role(op) for op in (read0, edit0, read2, edit2, logits, root)] == \
+        ["run", "skip", "run", "run", "run", "run"]
+
+
+def test_what_a_stage_sends_arrives_whole():
+    first, last = StageTransport(ABSENT_ON_FIRST, False), StageTransport(ABSENT_ON_LAST, True)
+    hidden, residual = torch.randn(5, 7, dtype=torch.bfloat16), torch.randn(5, 7)
+    before = hidden.clone()
+    ids = torch.arange(3)
+    first.capture_at("model.layers.0", "output", (hidden, residual))
+    first.capture_at("model.layers.1", "input", ids)
+    hidden.add_(1.0)  # (a later module changes its input in place: the capture is a copy)
+    first.errors["r1"] = "ops[0] (add model.layers.0): position 50 is out of range"
+    first.signatures["r2"] = "abc"
+    step = {"hidden_states": torch.zeros(5, 7), "residual": torch.zeros(5, 7)}
+    first.send(step)
+    assert sorted(step) == ["hidden_states", "nnsight.data", "nnsight.meta", "residual"]  # (at most 2 more)
+    assert not first.captured and not first.errors and not first.signatures
+    last.take(step)
+    assert sorted(step) == ["hidden_states", "residual"]  # (vLLM copies every entry left by name)
+    (p0, io0, v0), (p1, io1, v1) = last.incoming
+    assert (p0, io0, p1, io1) == ("model.layers.0", "output", "model.layers.1", "input")
+    assert torch.equal(v0[0], before) and v0[0].dtype == torch.bfloat16 and torch.equal(v0[1], residual)
+    assert torch.equal(v1, ids)
+    assert last.incoming_errors == {"r1": "ops[0] (add model.layers.0): position 50 is out of range"}
+    assert last.incoming_signatures == {"r2": "abc"}
+
+
+def test_a_step_with_nothing_to_send_adds_nothing():
+    first = StageTransport(ABSENT_ON_FIRST, False)
+    step = {"hidden_states": torch.zeros(2, 3)}
+    first.send(step)
+    assert list(step) == ["hidden_states"]
+    StageTransport(ABSENT_ON_LAST, True).take(step)
+    assert list(step) == ["hidden_states"]
+
+
+def test_a_plan_signature_tells_plans_and_code_apart():
+    class Block:
+        def __init__(self, lowered=None, batched=False):
+            self.lowered, self.batched = lowered, batched
+
+    class Lowered:
+        def __init__(self, ops):
+            self.spec = {"v": 1, "kind": "spec", "ops": ops}
+
+    plan = Lowered([{"op": "add", "module": "model.layers.0", "value": [1.0]}])
+    other = Lowered([{"op": "read", "name": "h", "module": "model.layers.3.mlp"}])
+    assert signature([Block(plan)]) == signature([Block(plan)])
+    assert len({signature([Block(plan)]), signature([Block(other)]), signature([Block()]),
+                signature([Block(batched=True)])}) == 4
