@@ -506,14 +506,12 @@ def test_pipeline_parallel_traces_every_stage(llama_path, hf_llama):
         sub = SamplingParams(max_tokens=1, extra_args=spec({"op": "read", "name": "m", "module": "model.layers.0.mlp"}))
         with pytest.raises(InterventionError, match="model.layers.0.mlp|not a module"):
             results(llm.generate(["Hello world"], sub, use_tqdm=False)[0])
-        with model.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
-            model.model.layers[0].output[0][:] += v
-            mlp = model.model.layers[3].mlp.output.save()  # noqa: F841
-        out = tracer.outputs[0]
-        if out.ran_as == "batched":  # (recorded alike on both stages: then it must be right)
-            assert not getattr(out, "nnsight_error", None)
-        else:
-            assert "different plans" in str(getattr(out, "nnsight_error", "")) or out.ran_as.startswith("code")
+        # (stage 0 holds a childless placeholder for layer 3: the block runs as code there,
+        # batched on the last stage; the edit of layer 0 would be lost, so the request ends)
+        with pytest.raises(Exception, match="record into different plans"):
+            with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+                model.model.layers[0].output[0][:] += v
+                model.model.layers[3].mlp.output.save()
         after = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
         assert after.outputs[0].token_ids  # (the engine serves on)
 

@@ -39,7 +39,12 @@ class Admission:
                                         kept_code=kept_code, max_tokens=max_tokens))
         if self.stages is not None and not self.stages.last:
             self.stages.signatures[req_id] = stages.signature(blocks)  # (the last stage compares its own)
+            for block in blocks:
+                if block.error:  # (sent on: the last stage reports it if its own blocks did not fail)
+                    self.stages.errors[req_id] = block.error.get("message", "bad payload")
             blocks = [b for b in blocks if b.batched and not b.error]  # (the last stage runs and reports the rest)
+        elif self.stages is not None:
+            self.stages.admitted_as[req_id] = stages.signature(blocks)
         if blocks:
             self._epoch += 1
             self.requests.admitted(req_id, blocks, params, every_step=bool(
@@ -132,6 +137,8 @@ class Admission:
         guards.refuse_integer_writes(env, self.integer_inputs)
         if self.stages is not None and self.stages.last:
             guards.refuse_absent(env, self.absent)
+        elif self.stages is not None:  # (caches reach the last stage's modules only: refuse_absent)
+            env = {**env, "ops": [op for op in env["ops"] if op["op"] != "cache"]}
         env = self.batched.with_caches(env, self.expand_cache)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
         if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
@@ -148,7 +155,7 @@ class Admission:
             session.wait = Wait("step", 1 << 62)
             if self.eager:
                 for op in env["ops"]:
-                    if "module" in op:
+                    if "module" in op and (self.stages is None or self.stages.role(op) != "skip"):
                         self.ensure_hook(self.envoy_at(op["module"])._module, op.get("io", "output"))
             return
         for expansion in env.get("caches", ()):  # (their reads run batched; the spec's other ops here)

@@ -307,8 +307,9 @@ class BatchedEdits(LanePlans):
                 continue
             for entry in entries:
                 session = entry.session
+                # (pipeline parallel: an earlier stage sends a value only when a read of it is due)
                 if session.active and session.req_id in layout.spans and not entry.op.get("optional") \
-                        and is_due(entry.op, session.step):
+                        and (self.inter.stages is None or is_due(entry.op, session.step)):
                     session.fail(
                         f"ops[{entry.number}] ({entry.op['op']} {entry.op.get('module', 'logits')}."
                         f"{entry.op.get('io', 'output')}) was not reached at step {session.step}: vLLM "

@@ -95,6 +95,9 @@ class Interleaver(Admission, ValueServing):
         if any(r in self.traced or r in self.sessions for r in req_ids):
             self._epoch += 1  # (an untraced request's end leaves the steady batch as it was)
         coded = any(r in self.coded for r in req_ids)
+        if self.stages is not None:
+            for req_id in req_ids:
+                self.stages.admitted_as.pop(req_id, None)
         for req_id in req_ids:
             for session in self.requests.forget(req_id):
                 self._unwait(session)
@@ -156,7 +159,8 @@ class Interleaver(Admission, ValueServing):
     def working(self) -> bool:
         """Traced work in the engine: live blocks, or results still to ship (an error
         for a recomputed request counts)."""
-        return bool(self.sessions or self.results)
+        # (an earlier pipeline stage also steps through its signatures still to send)
+        return bool(self.sessions or self.results or self.stages is not None and self.stages.signatures)
 
     def active(self, req_id: str) -> bool:
         return any(s.active for s in self.sessions.get(req_id, ()))

@@ -48,6 +48,7 @@ class StageTransport:
         # paths that hold another stage's modules (the root, "model"): their value is the last stage's
         self.containers = frozenset(p.rsplit(".", i)[0] for p in absent for i in range(1, p.count(".") + 1)) | {""}
         self.signatures: dict[str, str] = {}  # request -> its plans' signature, to send with its first step
+        self.admitted_as: dict[str, str] = {}  # (the last stage) request -> its own plans' signature
         self.incoming_signatures: dict[str, str] = {}
         self.captured: dict[tuple[str, str], Any] = {}  # this step's exported values by (path, io)
         self.errors: dict[str, str] = {}  # request -> an op error of this stage, to send on
@@ -78,8 +79,13 @@ class StageTransport:
     def capture(self, key: tuple, value: Any) -> None:
         """Keep a copy of a planned export's value as this stage's edits left it (the
         next modules may change their inputs in place)."""
-        path, io, _ = self.exports[key]
-        self.capture_at(path, io, value)
+        path, io, readers = self.exports[key]
+        try:
+            self.capture_at(path, io, value)
+        except Exception as exc:  # noqa: BLE001 - only the requests reading it end
+            for session, _ in readers:
+                if session.active:
+                    session.fail(f"{path}.{io} cannot be sent to the last pipeline stage: {exc}")
 
     def capture_at(self, path: str, io: str, value: Any) -> None:
         if (path, io) not in self.captured:
@@ -153,11 +159,11 @@ def receive(inter: Any, carried: dict[str, Any]) -> None:
     if not transport.last:
         return
     for req_id, message in transport.incoming_errors.items():
-        if req_id in inter.traced:
+        if req_id in inter.traced and not any(s.error for s in inter.sessions.get(req_id, ())):
             inter.fail_request(req_id, message)
     for req_id, theirs in transport.incoming_signatures.items():
-        mine = inter.sessions.get(req_id, ())
-        if req_id in inter.traced and not any(s.error for s in mine) and theirs != signature(mine):
+        mine = transport.admitted_as.get(req_id)
+        if mine is not None and theirs != mine and not any(s.error for s in inter.sessions.get(req_id, ())):
             inter.fail_request(req_id, "this request's blocks record into different plans on the pipeline "
                                        "stages (a module another stage holds records less here): send it as a "
                                        "spec, or as code with extra_args {'nnsight_lower': False}")
