@@ -73,3 +73,40 @@ def test_a_plan_signature_tells_plans_and_code_apart():
     assert signature([Block(plan)]) == signature([Block(plan)])
     assert len({signature([Block(plan)]), signature([Block(other)]), signature([Block()]),
                 signature([Block(batched=True)])}) == 4
+
+
+def test_with_tensor_parallel_too_plans_reach_the_last_stage_only():
+    """Under TP each rank would send its own shard of a value: a spec that touches an
+    earlier stage's module is refused there, one of the last stage's runs."""
+    import pytest
+
+    from vllm_nnsight_plugin.engine import guards
+    from vllm_nnsight_plugin.payload.codec import PayloadError
+
+    early = {"v": 1, "kind": "spec", "ops": [{"op": "add", "module": "model.layers.1.mlp", "value": [1.0]}]}
+    late = {"v": 1, "kind": "spec", "ops": [{"op": "read", "name": "h", "module": "model.layers.2"},
+                                            {"op": "logits", "name": "l"}]}
+    guards.refuse_absent(early, ABSENT_ON_LAST, carried=True)  # (one rank per stage: it travels)
+    with pytest.raises(PayloadError, match=r"ops\[0\].*model.layers.1.mlp.*tensor_parallel_size > 1"):
+        guards.refuse_absent(early, ABSENT_ON_LAST, carried=False)
+    guards.refuse_absent(late, ABSENT_ON_LAST, carried=False)
+
+
+def test_a_transport_that_cannot_be_read_ends_the_traced_requests_not_the_engine():
+    import json
+    import sys
+    from pathlib import Path
+
+    from vllm_nnsight_plugin.engine import stages
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_batched import _toy, _toy_spec
+
+    _, inter = _toy()
+    inter.admit("a", {"nnsight": _toy_spec({"op": "scale", "module": "layers.0", "factor": 2.0, "steps": "all"})})
+    inter.stages = StageTransport(frozenset(), True)
+    broken = {"nnsight.meta": torch.frombuffer(bytearray(json.dumps({"values": [["m", "output", "T"]],
+                                                                       "tensors": []}).encode()), dtype=torch.uint8)}
+    stages.receive(inter, broken)
+    assert "could not be read" in inter.sessions["a"][0].error["message"]
+    assert "nnsight.meta" not in broken  # (popped: vLLM copies every entry left by name)

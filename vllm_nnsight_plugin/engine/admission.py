@@ -37,7 +37,9 @@ class Admission:
         if raw is not None:
             blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks),
                                         kept_code=kept_code, max_tokens=max_tokens))
-        if self.stages is not None and not self.stages.last:
+        if self.stages is not None and not self.stages.last and not self.stages.carries:
+            blocks = []  # (plans reach the last stage's modules only: see StageTransport)
+        elif self.stages is not None and not self.stages.last:
             self.stages.signatures[req_id] = stages.signature(blocks)  # (the last stage compares its own)
             for block in blocks:
                 if block.error:  # (sent on: the last stage reports it if its own blocks did not fail)
@@ -136,7 +138,7 @@ class Admission:
 
         guards.refuse_integer_writes(env, self.integer_inputs)
         if self.stages is not None and self.stages.last:
-            guards.refuse_absent(env, self.absent)
+            guards.refuse_absent(env, self.absent, self.stages.carries)
         elif self.stages is not None:  # (caches reach the last stage's modules only: refuse_absent)
             env = {**env, "ops": [op for op in env["ops"] if op["op"] != "cache"]}
         env = self.batched.with_caches(env, self.expand_cache)

@@ -88,13 +88,23 @@ def held_elsewhere(path: str, absent: Any) -> bool:
     return any(".".join(parts[:i]) in absent for i in range(1, len(parts)))
 
 
-def refuse_absent(env: dict[str, Any], absent: Any) -> None:
+def refuse_absent(env: dict[str, Any], absent: Any, carried: bool = True) -> None:
     """Raise :class:`PayloadError` for a spec that touches a module an earlier pipeline
     stage holds in a way only the last stage could run (``absent``: those modules).
     Batched reads and edits reach every stage (:mod:`.stages`); a cache or a spec that
     runs per request does not, and a read before an edit of the same location would
-    get the edited value (the value that travels is the one the earlier stage left)."""
+    get the edited value (the value that travels is the one the earlier stage left).
+    Not ``carried`` (tensor parallel too): no op may touch an earlier stage's module."""
     if env.get("kind") != "spec" or not absent:
+        return
+    if not carried:
+        for i, op in enumerate(env["ops"]):
+            for path in [op["module"]] if "module" in op else op.get("modules") or []:
+                if held_elsewhere(path, absent):
+                    raise PayloadError(f"invalid spec at ops[{i}]: {path} is computed in an earlier pipeline stage, "
+                                       "which plans cannot reach when the engine also runs tensor parallel "
+                                       "(tensor_parallel_size > 1): they reach the last stage's modules, "
+                                       f"model.logits and model.samples. The earlier stages hold {_summary(absent)}")
         return
     batchable = all(op["op"] in ("add", "scale", "zero", "set", "read", "logits") for op in env["ops"])
     edited_later: dict[tuple[str, str], int] = {}

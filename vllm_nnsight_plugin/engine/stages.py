@@ -40,10 +40,13 @@ _ALIGN = 16  # bytes: each tensor starts where any dtype may view it
 
 class StageTransport:
     """The pipeline-parallel side of one stage's interleaver (see the module docstring).
-    ``absent``: the module paths other stages hold; ``last``: this is the last stage."""
+    ``absent``: the module paths other stages hold; ``last``: this is the last stage;
+    ``carries``: plans reach earlier stages' modules (not under tensor parallel too,
+    whose ranks would each send their own shard of a value: there plans reach the last
+    stage's modules only, and earlier stages run nothing)."""
 
-    def __init__(self, absent: frozenset[str], last: bool):
-        self.absent, self.last = absent, last
+    def __init__(self, absent: frozenset[str], last: bool, carries: bool = True):
+        self.absent, self.last, self.carries = absent, last, carries
         self.exports: dict[tuple, tuple[str, str, list[Any]]] = {}  # key -> (path, io, [(session, op)])
         # paths that hold another stage's modules (the root, "model"): their value is the last stage's
         self.containers = frozenset(p.rsplit(".", i)[0] for p in absent for i in range(1, p.count(".") + 1)) | {""}
@@ -153,9 +156,16 @@ class StageTransport:
 
 
 def receive(inter: Any, carried: dict[str, Any]) -> None:
-    """Step start: what earlier stages sent; their op errors end their requests."""
+    """Step start: what earlier stages sent; their op errors end their requests. What
+    cannot be read ends the traced requests of the step, not the engine."""
     transport = inter.stages
-    transport.take(carried)
+    try:
+        transport.take(carried)
+    except Exception as exc:  # noqa: BLE001 - a malformed transport: traced requests end, the engine serves on
+        transport.incoming, transport.incoming_errors, transport.incoming_signatures = [], {}, {}
+        for req_id in list(inter.sessions):
+            inter.fail_request(req_id, f"what an earlier pipeline stage sent could not be read: {exc!r}")
+        return
     if not transport.last:
         return
     for req_id, message in transport.incoming_errors.items():
