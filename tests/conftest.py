@@ -35,6 +35,11 @@ def llama_path(ckpt_root: Path) -> str:
 
 
 @pytest.fixture(scope="session")
+def tied_llama_path(ckpt_root: Path) -> str:
+    return str(tiny.ensure("llama_tied", ckpt_root))
+
+
+@pytest.fixture(scope="session")
 def gpt2_path(ckpt_root: Path) -> str:
     return str(tiny.ensure("gpt2", ckpt_root))
 
@@ -72,6 +77,11 @@ def _hf(path: str):
 @pytest.fixture(scope="session")
 def hf_llama(llama_path: str):
     return _hf(llama_path)
+
+
+@pytest.fixture(scope="session")
+def hf_tied_llama(tied_llama_path: str):
+    return _hf(tied_llama_path)
 
 
 @pytest.fixture(scope="session")

@@ -110,3 +110,37 @@ def test_a_transport_that_cannot_be_read_ends_the_traced_requests_not_the_engine
     stages.receive(inter, broken)
     assert "could not be read" in inter.sessions["a"][0].error["message"]
     assert "nnsight.meta" not in broken  # (popped: vLLM copies every entry left by name)
+
+
+def test_the_stages_plans_must_agree_only_where_they_cross_stages():
+    """The last stage ends a request whose plans differ from an earlier stage's only when
+    a difference can drop an op: the earlier stage runs some op of it, or the last
+    stage's plan reaches an earlier stage's module."""
+    import sys
+    from pathlib import Path
+
+    from vllm_nnsight_plugin.engine import stages
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_batched import _toy
+
+    first, last = StageTransport(ABSENT_ON_FIRST, False), StageTransport(ABSENT_ON_LAST, True)
+    first.note("runs", [{"op": "add", "module": "model.layers.0", "value": [1.0]}])
+    first.note("skips", [{"op": "read", "name": "h", "module": "model.layers.2.mlp"}])
+    last.note("reaches", [{"op": "read", "name": "h", "module": "model.layers.1"}])
+    last.note("own", [{"op": "read", "name": "h", "module": "model.layers.2.mlp"}, {"op": "logits", "name": "l"}])
+    assert first.reaching == {"runs"} and last.reaching == {"reaches"}
+
+    _, inter = _toy()
+    inter.stages = last
+    for req_id in ("a", "b", "c"):
+        inter.admit(req_id, {"nnsight": '{"v": 1, "kind": "spec", "ops": [{"op": "scale", "module": "layers.0", '
+                                         '"factor": 2.0, "steps": "all"}]}'})
+    last.admitted_as.update({"a": ("mine", False), "b": ("mine", True), "c": ("mine", False)})
+    step = {}
+    first.signatures.update({"a": stages.NOTHING, "b": stages.NOTHING, "c": "theirs"})
+    first.send(step)
+    stages.receive(inter, step)
+    assert inter.sessions["a"][0].error is None  # (stage 0 runs nothing; the plan stays on the last stage)
+    assert "different plans" in inter.sessions["b"][0].error["message"]  # (its stage-0 ops would be lost)
+    assert "different plans" in inter.sessions["c"][0].error["message"]  # (stage 0 runs a plan of its own)

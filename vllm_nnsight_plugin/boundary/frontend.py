@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from ..engine import batched, edits, guards, taps
 from ..payload import codec
-from . import configuration, entrypoints, patching
+from . import configuration, entrypoints, parallel, patching
 from .whole_prompts import SALT_PREFIX, SHARED_SPEC_SALT
 
 logger = logging.getLogger("vllm.nnsight_plugin")
@@ -86,7 +86,8 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
     table = MODULE_TABLES.get(configuration.model_key(vllm_config)) if vllm_config is not None else None
     if table is not None:
         guards.refuse_integer_writes(env, table.integer_inputs)
-        guards.refuse_absent(env, table.absent)
+        # (with tensor parallel too, plans reach the last stage's modules only: see engine/stages.py)
+        guards.refuse_absent(env, table.absent, carried=parallel.tensor_parallel_size(vllm_config) == 1)
     if vllm_config is None or configuration.runs_eager(vllm_config):
         return env
     tapped = taps.from_settings(configuration.additional_config(vllm_config))

@@ -40,6 +40,10 @@ def pipeline_stages(vllm_config: Any) -> int:
     return int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
 
 
+def tensor_parallel_size(vllm_config: Any) -> int:
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+
+
 def last_pipeline_stage() -> bool:
     """Whether this worker runs the model's last pipeline stage: the only one whose
     output (logits, samples, results) reaches the scheduler. True without pipeline
@@ -53,11 +57,19 @@ def last_pipeline_stage() -> bool:
 
 
 def absent_modules(model: Any) -> list[str]:
-    """Paths of the modules another pipeline stage holds (vLLM puts a ``PPMissingLayer``
-    where they would be)."""
+    """Paths of the modules another pipeline stage runs: vLLM puts a ``PPMissingLayer``
+    where they would be; and on a later stage the input embedding, which a model with
+    tied embeddings builds there too (for the unembedding's weight) but never calls."""
+    from vllm.distributed import get_pp_group
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    return [path for path, module in model.named_modules() if isinstance(module, PPMissingLayer)]
+    try:
+        first = bool(get_pp_group().is_first_rank)
+    except AssertionError:  # (no distributed state in this process)
+        first = True
+    return [path for path, module in model.named_modules() if isinstance(module, PPMissingLayer) or (
+        not first and isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead))]
 
 
 def tp_world() -> tuple[int, int]:

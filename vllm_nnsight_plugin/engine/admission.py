@@ -23,6 +23,8 @@ class Admission:
         """Blocks for a new request: the installed edits it selects, then its own."""
         if req_id in self.traced:  # V2 re-sends a resumed request as new: never restart its blocks
             return
+        if self.stages is not None and not self.stages.last and not self.stages.carries:
+            return  # (plans reach the last stage's modules only: see StageTransport)
         extra = extra_args or {}
         # a block whose saves stream per step binds its names as it runs: never lowered
         kept_code = "nnsight_lower is off" if not lower.wanted(extra.get(codec.LOWER_KEY, True)) else \
@@ -37,16 +39,17 @@ class Admission:
         if raw is not None:
             blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks),
                                         kept_code=kept_code, max_tokens=max_tokens))
-        if self.stages is not None and not self.stages.last and not self.stages.carries:
-            blocks = []  # (plans reach the last stage's modules only: see StageTransport)
-        elif self.stages is not None and not self.stages.last:
-            self.stages.signatures[req_id] = stages.signature(blocks)  # (the last stage compares its own)
+        if self.stages is not None and not self.stages.last:
+            reaching = req_id in self.stages.reaching  # (the last stage compares its own plans)
+            self.stages.signatures[req_id] = stages.signature(blocks) if reaching else stages.NOTHING
+            self.stages.reaching.discard(req_id)
             for block in blocks:
                 if block.error:  # (sent on: the last stage reports it if its own blocks did not fail)
                     self.stages.errors[req_id] = block.error.get("message", "bad payload")
             blocks = [b for b in blocks if b.batched and not b.error]  # (the last stage runs and reports the rest)
         elif self.stages is not None:
-            self.stages.admitted_as[req_id] = stages.signature(blocks)
+            self.stages.admitted_as[req_id] = (stages.signature(blocks), req_id in self.stages.reaching)
+            self.stages.reaching.discard(req_id)
         if blocks:
             self._epoch += 1
             self.requests.admitted(req_id, blocks, params, every_step=bool(
@@ -155,6 +158,8 @@ class Admission:
             session.replayable = batched.replayable(env)
             session.edits = batched.edits(env)
             session.wait = Wait("step", 1 << 62)
+            if self.stages is not None:
+                self.stages.note(session.req_id, env["ops"])
             if self.eager:
                 for op in env["ops"]:
                     if "module" in op and (self.stages is None or self.stages.role(op) != "skip"):

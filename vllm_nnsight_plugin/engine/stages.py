@@ -51,7 +51,9 @@ class StageTransport:
         # paths that hold another stage's modules (the root, "model"): their value is the last stage's
         self.containers = frozenset(p.rsplit(".", i)[0] for p in absent for i in range(1, p.count(".") + 1)) | {""}
         self.signatures: dict[str, str] = {}  # request -> its plans' signature, to send with its first step
-        self.admitted_as: dict[str, str] = {}  # (the last stage) request -> its own plans' signature
+        # (the last stage) request -> its own plans' signature, and whether they reach earlier stages
+        self.admitted_as: dict[str, tuple[str, bool]] = {}
+        self.reaching: set[str] = set()  # requests admitted now whose plans cross stages (see note)
         self.incoming_signatures: dict[str, str] = {}
         self.captured: dict[tuple[str, str], Any] = {}  # this step's exported values by (path, io)
         self.errors: dict[str, str] = {}  # request -> an op error of this stage, to send on
@@ -70,6 +72,17 @@ class StageTransport:
         if elsewhere:
             return "skip"
         return "export" if op["op"] in READ_OPS else "run"
+
+    def note(self, req_id: str, ops: list[dict[str, Any]]) -> None:
+        """A batched plan of a request being admitted: whether it crosses stages here
+        (on an earlier stage: it runs or exports an op; on the last: it touches an earlier
+        stage's module). Only then must the stages' plans agree (see :func:`receive`)."""
+        if self.last:
+            crosses = any(guards.held_elsewhere(op["module"], self.absent) for op in ops if "module" in op)
+        else:
+            crosses = any(self.role(op) != "skip" for op in ops)
+        if crosses:
+            self.reaching.add(req_id)
 
     def export(self, key: tuple, path: str, io: str, session: Any, op: dict[str, Any]) -> None:
         self.exports.setdefault(key, (path, io, []))[2].append((session, op))
@@ -172,11 +185,16 @@ def receive(inter: Any, carried: dict[str, Any]) -> None:
         if req_id in inter.traced and not any(s.error for s in inter.sessions.get(req_id, ())):
             inter.fail_request(req_id, message)
     for req_id, theirs in transport.incoming_signatures.items():
-        mine = transport.admitted_as.get(req_id)
-        if mine is not None and theirs != mine and not any(s.error for s in inter.sessions.get(req_id, ())):
+        mine, reaches = transport.admitted_as.get(req_id, (None, False))
+        # (an earlier stage that runs nothing for it agrees with any plan that does not reach it)
+        differ = mine is not None and theirs != mine and (theirs != NOTHING or reaches)
+        if differ and not any(s.error for s in inter.sessions.get(req_id, ())):
             inter.fail_request(req_id, "this request's blocks record into different plans on the pipeline "
-                                       "stages (a module another stage holds records less here): send it as a "
-                                       "spec, or as code with extra_args {'nnsight_lower': False}")
+                                       "stages (a module another stage holds records differently there), so "
+                                       "its reads and edits of earlier stages cannot run: write them as a spec")
+
+
+NOTHING = "nothing"  # an earlier stage's signature for a request it runs no op of
 
 
 def signature(blocks: Any) -> str:
