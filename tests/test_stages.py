@@ -92,6 +92,19 @@ def test_with_tensor_parallel_too_plans_reach_the_last_stage_only():
     guards.refuse_absent(late, ABSENT_ON_LAST, carried=False)
 
 
+def test_plans_cross_stages_only_where_what_travels_arrives_whole():
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.boundary.parallel import stages_carry
+
+    def config(tp, backend="mp"):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp,
+                                                               distributed_executor_backend=backend))
+
+    assert stages_carry(config(1)) and stages_carry(config(1, "ray"))
+    assert not stages_carry(config(2)) and not stages_carry(config(1, "external_launcher"))
+
+
 def test_a_transport_that_cannot_be_read_ends_the_traced_requests_not_the_engine():
     import json
     import sys

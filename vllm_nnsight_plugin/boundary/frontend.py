@@ -86,8 +86,7 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
     table = MODULE_TABLES.get(configuration.model_key(vllm_config)) if vllm_config is not None else None
     if table is not None:
         guards.refuse_integer_writes(env, table.integer_inputs)
-        # (with tensor parallel too, plans reach the last stage's modules only: see engine/stages.py)
-        guards.refuse_absent(env, table.absent, carried=parallel.tensor_parallel_size(vllm_config) == 1)
+        guards.refuse_absent(env, table.absent, carried=parallel.stages_carry(vllm_config))
     if vllm_config is None or configuration.runs_eager(vllm_config):
         return env
     tapped = taps.from_settings(configuration.additional_config(vllm_config))

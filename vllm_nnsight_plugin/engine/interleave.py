@@ -56,7 +56,7 @@ class Interleaver(Admission, ValueServing):
         # pipeline parallel: the modules other stages hold, and how plans reach them
         self.absent = frozenset(parallel.absent_modules(model)) if piped else frozenset()
         self.stages = stages.StageTransport(self.absent, parallel.last_pipeline_stage(),
-                                            carries=parallel.tp_world()[0] == 1) if piped else None
+                                            carries=parallel.stages_carry(vllm_config)) if piped else None
         self.batched = batched.BatchedEdits(self)
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
         self.finite = finite_logits.FiniteLogits()

@@ -41,9 +41,8 @@ _ALIGN = 16  # bytes: each tensor starts where any dtype may view it
 class StageTransport:
     """The pipeline-parallel side of one stage's interleaver (see the module docstring).
     ``absent``: the module paths other stages hold; ``last``: this is the last stage;
-    ``carries``: plans reach earlier stages' modules (not under tensor parallel too,
-    whose ranks would each send their own shard of a value: there plans reach the last
-    stage's modules only, and earlier stages run nothing)."""
+    ``carries``: plans reach earlier stages' modules (``boundary.parallel.stages_carry``;
+    otherwise plans reach the last stage's modules only, and earlier stages run nothing)."""
 
     def __init__(self, absent: frozenset[str], last: bool, carries: bool = True):
         self.absent, self.last, self.carries = absent, last, carries
