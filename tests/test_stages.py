@@ -87,7 +87,7 @@ def test_with_tensor_parallel_too_plans_reach_the_last_stage_only():
     late = {"v": 1, "kind": "spec", "ops": [{"op": "read", "name": "h", "module": "model.layers.2"},
                                             {"op": "logits", "name": "l"}]}
     guards.refuse_absent(early, ABSENT_ON_LAST, carried=True)  # (one rank per stage: it travels)
-    with pytest.raises(PayloadError, match=r"ops\[0\].*model.layers.1.mlp.*tensor_parallel_size > 1"):
+    with pytest.raises(PayloadError, match=r"ops\[0\].*model.layers.1.mlp.*only with two stages, no tensor parallel"):
         guards.refuse_absent(early, ABSENT_ON_LAST, carried=False)
     guards.refuse_absent(late, ABSENT_ON_LAST, carried=False)
 
@@ -97,12 +97,13 @@ def test_plans_cross_stages_only_where_what_travels_arrives_whole():
 
     from vllm_nnsight_plugin.boundary.parallel import stages_carry
 
-    def config(tp, backend="mp"):
-        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp,
-                                                               distributed_executor_backend=backend))
+    def config(tp, backend="mp", pp=2):
+        return SimpleNamespace(parallel_config=SimpleNamespace(
+            tensor_parallel_size=tp, distributed_executor_backend=backend, pipeline_parallel_size=pp))
 
     assert stages_carry(config(1)) and stages_carry(config(1, "ray"))
     assert not stages_carry(config(2)) and not stages_carry(config(1, "external_launcher"))
+    assert not stages_carry(config(1, pp=3))
 
 
 def test_a_transport_that_cannot_be_read_ends_the_traced_requests_not_the_engine():

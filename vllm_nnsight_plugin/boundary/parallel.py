@@ -42,11 +42,12 @@ def pipeline_stages(vllm_config: Any) -> int:
 
 def stages_carry(vllm_config: Any) -> bool:
     """Whether plans may reach earlier pipeline stages' modules (``engine/stages.py``):
+    with two stages (the plan signatures an earlier stage sends are compared as one),
     not with tensor parallel too (each rank of a stage would send its own shard of a
     value), nor under the external launcher (vLLM sends the step's tensors inside the
     runner, before the plugin adds what travels with them)."""
     parallel_config = getattr(vllm_config, "parallel_config", None)
-    return int(getattr(parallel_config, "tensor_parallel_size", 1) or 1) == 1 \
+    return pipeline_stages(vllm_config) == 2 and int(getattr(parallel_config, "tensor_parallel_size", 1) or 1) == 1 \
         and getattr(parallel_config, "distributed_executor_backend", None) != "external_launcher"
 
 

@@ -102,9 +102,8 @@ def refuse_absent(env: dict[str, Any], absent: Any, carried: bool = True) -> Non
             for path in [op["module"]] if "module" in op else op.get("modules") or []:
                 if held_elsewhere(path, absent):
                     raise PayloadError(f"invalid spec at ops[{i}]: {path} is computed in an earlier pipeline stage, "
-                                       "which plans cannot reach when the engine also runs tensor parallel "
-                                       "(tensor_parallel_size > 1) or under the external launcher: they reach "
-                                       "the last stage's modules, "
+                                       "which plans reach only with two stages, no tensor parallel and not "
+                                       "under the external launcher: here they reach the last stage's modules, "
                                        f"model.logits and model.samples. The earlier stages hold {_summary(absent)}")
         return
     batchable = all(op["op"] in ("add", "scale", "zero", "set", "read", "logits") for op in env["ops"])
