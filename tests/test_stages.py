@@ -158,3 +158,34 @@ def test_the_stages_plans_must_agree_only_where_they_cross_stages():
     assert inter.sessions["a"][0].error is None  # (stage 0 runs nothing; the plan stays on the last stage)
     assert "different plans" in inter.sessions["b"][0].error["message"]  # (its stage-0 ops would be lost)
     assert "different plans" in inter.sessions["c"][0].error["message"]  # (stage 0 runs a plan of its own)
+
+
+def test_a_module_every_stage_builds_belongs_to_the_stage_that_runs_it():
+    """vLLM builds some modules on every pipeline stage but runs them on one (GPT-2's
+    wte, wpe and ln_f; a tied input embedding): those before the split layer list are
+    the first stage's, those after it the last stage's; placeholders are another's."""
+    import torch
+
+    from vllm_nnsight_plugin.boundary.parallel import stage_absent
+
+    class Missing(torch.nn.Module):
+        pass
+
+    class GPT2(torch.nn.Module):
+        def __init__(self, first):
+            super().__init__()
+            self.transformer = torch.nn.Module()
+            self.transformer.wte = torch.nn.Embedding(4, 2)
+            self.transformer.wpe = torch.nn.Embedding(4, 2)
+            blocks = [torch.nn.Linear(2, 2), Missing()] if first else [Missing(), torch.nn.Linear(2, 2)]
+            self.transformer.h = torch.nn.ModuleList(blocks)
+            self.transformer.ln_f = torch.nn.LayerNorm(2)
+            self.lm_head = Missing() if first else torch.nn.Linear(2, 4)
+
+    def absent(first):
+        return stage_absent(list(GPT2(first).named_modules()), lambda m: isinstance(m, Missing), first, not first)
+
+    assert absent(True) == ["transformer.h.1", "lm_head", "transformer.ln_f"]
+    assert absent(False) == ["transformer.h.0", "transformer.wte", "transformer.wpe"]
+    one = GPT2(True)
+    assert stage_absent(list(one.named_modules()), lambda m: False, True, True) == []  # (no pipeline)

@@ -557,6 +557,39 @@ def test_pipeline_parallel_traces_every_stage(tied_llama_path, hf_tied_llama):
         model.shutdown()
 
 
+def test_pipeline_parallel_modules_every_stage_builds(gpt2_path, hf_gpt2):
+    """vLLM's GPT-2 builds wte, wpe and ln_f on both pipeline stages, and runs the first
+    two on stage 0 and ln_f on stage 1: a read of wpe, a scaling of ln_f and a scaling of
+    a stage-0 block each equal HF fp32 (none is lost to the stage that never runs it)."""
+    with one_core_per_rank():
+        model = VLLM(gpt2_path, dispatch=True, dtype="float32", max_model_len=256, pipeline_parallel_size=2,
+                     enforce_eager=False, seed=0,
+                     taps=["transformer.wpe.output", "transformer.ln_f.output", "transformer.h.*.output"],
+                     **ENGINE_KWARGS)
+    try:
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            with tracer.invoke(PROMPT):
+                positions = model.transformer.wpe.output.save()
+            with tracer.invoke(PROMPT):
+                model.transformer.ln_f.output[:] *= 2
+                final = model.logits.save()
+            with tracer.invoke(PROMPT):
+                model.transformer.h[0].output[:] *= 2
+                early = model.logits.save()
+        assert [o.ran_as for o in tracer.outputs] == ["batched"] * 3
+        ids = list(tracer.outputs[0].prompt_token_ids)
+        t = hf_gpt2.transformer
+        assert_close(positions, HF(hf_gpt2, ids).watch("wpe", t.wpe).run().out["wpe"])
+        assert_close(final, HF(hf_gpt2, ids).edit(t.ln_f, lambda out: out * 2).run().logits[-1:])
+        def double(out):  # (a block's output: a tensor, or a tuple led by one, by transformers version)
+            return out * 2 if isinstance(out, torch.Tensor) else (out[0] * 2,) + tuple(out[1:])
+
+        assert_close(early, HF(hf_gpt2, ids).edit(t.h[0], double).run().logits[-1:])
+        assert (early - HF(hf_gpt2, ids).run().logits[-1:]).abs().max() > 1e-2  # (the scaling took)
+    finally:
+        model.shutdown()
+
+
 # ------------------------------------------------------------------ served
 
 

@@ -4,6 +4,7 @@ rank holds a shard of, and the modules another pipeline stage holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -64,19 +65,43 @@ def last_pipeline_stage() -> bool:
 
 
 def absent_modules(model: Any) -> list[str]:
-    """Paths of the modules another pipeline stage runs: vLLM puts a ``PPMissingLayer``
-    where they would be; and on a later stage the input embedding, which a model with
-    tied embeddings builds there too (for the unembedding's weight) but never calls."""
+    """Paths of the modules another pipeline stage runs (see :func:`stage_absent`)."""
     from vllm.distributed import get_pp_group
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
     from vllm.model_executor.models.utils import PPMissingLayer
 
     try:
-        first = bool(get_pp_group().is_first_rank)
+        group = get_pp_group()
+        first, last = bool(group.is_first_rank), bool(group.is_last_rank)
     except AssertionError:  # (no distributed state in this process)
-        first = True
-    return [path for path, module in model.named_modules() if isinstance(module, PPMissingLayer) or (
-        not first and isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead))]
+        first = last = True
+    return stage_absent(list(model.named_modules()), lambda m: isinstance(m, PPMissingLayer), first, last)
+
+
+def stage_absent(named: list[tuple[str, Any]], missing: Callable[[Any], bool], first: bool, last: bool) -> list[str]:
+    """The modules of ``named`` (``model.named_modules()``, in registration order) that
+    another pipeline stage runs: those vLLM left ``missing`` (a placeholder), and the
+    ones it builds on every stage but runs on one (GPT-2's ``wte``/``wpe``/``ln_f``, a
+    tied input embedding). Those belong to the first stage when registered before the
+    split layer list, else to the last (a module registered on the other side of the
+    list from where it runs is then traced on a stage that never runs it: its ops fail
+    as not reached, loudly)."""
+    import torch
+
+    out = [path for path, module in named if missing(module)]
+    split = next((path for path, module in named if isinstance(module, torch.nn.ModuleList)
+                  and any(missing(child) for child in module)), None)
+    if split is None or (first and last):
+        return out
+    before = True
+    for path, _ in named:
+        if path == split:
+            before = False
+        if path == "" or split.startswith(path + ".") or path == split or path.startswith(split + ".") \
+                or any(path.startswith(a + ".") or path == a for a in out):
+            continue  # (the list, its layers, the containers around it, placeholders and what is under them)
+        if (before and not first) or (not before and not last):
+            out.append(path)
+    return out
 
 
 def tp_world() -> tuple[int, int]:
