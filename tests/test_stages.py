@@ -35,7 +35,7 @@ def test_what_a_stage_sends_arrives_whole():
     first.capture_at("model.layers.1", "input", ids)
     hidden.add_(1.0)  # (a later module changes its input in place: the capture is a copy)
     first.errors["r1"] = "ops[0] (add model.layers.0): position 50 is out of range"
-    first.signatures["r2"] = "abc"
+    first.signatures["r2"] = ["abc"]
     step = {"hidden_states": torch.zeros(5, 7), "residual": torch.zeros(5, 7)}
     first.send(step)
     assert sorted(step) == ["hidden_states", "nnsight.data", "nnsight.meta", "residual"]  # (at most 2 more)
@@ -47,7 +47,7 @@ def test_what_a_stage_sends_arrives_whole():
     assert torch.equal(v0[0], before) and v0[0].dtype == torch.bfloat16 and torch.equal(v0[1], residual)
     assert torch.equal(v1, ids)
     assert last.incoming_errors == {"r1": "ops[0] (add model.layers.0): position 50 is out of range"}
-    assert last.incoming_signatures == {"r2": "abc"}
+    assert last.incoming_signatures == {"r2": ["abc"]}
 
 
 def test_a_step_with_nothing_to_send_adds_nothing():
@@ -127,9 +127,9 @@ def test_a_transport_that_cannot_be_read_ends_the_traced_requests_not_the_engine
 
 
 def test_the_stages_plans_must_agree_only_where_they_cross_stages():
-    """The last stage ends a request whose plans differ from an earlier stage's only when
-    a difference can drop an op: the earlier stage runs some op of it, or the last
-    stage's plan reaches an earlier stage's module."""
+    """The last stage ends a request whose blocks record differently on an earlier stage
+    only where a difference can drop an op, block by block: the earlier stage runs some
+    op of the block, or the last stage's plan of it reaches an earlier stage's module."""
     import sys
     from pathlib import Path
 
@@ -138,26 +138,34 @@ def test_the_stages_plans_must_agree_only_where_they_cross_stages():
     sys.path.insert(0, str(Path(__file__).parent))
     from test_batched import _toy
 
+    class Block:
+        lowered, batched = None, True
+
     first, last = StageTransport(ABSENT_ON_FIRST, False), StageTransport(ABSENT_ON_LAST, True)
-    first.note("runs", [{"op": "add", "module": "model.layers.0", "value": [1.0]}])
-    first.note("skips", [{"op": "read", "name": "h", "module": "model.layers.2.mlp"}])
-    last.note("reaches", [{"op": "read", "name": "h", "module": "model.layers.1"}])
-    last.note("own", [{"op": "read", "name": "h", "module": "model.layers.2.mlp"}, {"op": "logits", "name": "l"}])
-    assert first.reaching == {"runs"} and last.reaching == {"reaches"}
+    runs, skips, reaches, own = Block(), Block(), Block(), Block()
+    first.note(runs, [{"op": "add", "module": "model.layers.0", "value": [1.0]}])
+    first.note(skips, [{"op": "read", "name": "h", "module": "model.layers.2.mlp"}])
+    last.note(reaches, [{"op": "read", "name": "h", "module": "model.layers.1"}])
+    last.note(own, [{"op": "read", "name": "h", "module": "model.layers.2.mlp"}, {"op": "logits", "name": "l"}])
+    assert [c for _, c in first.signatures_of([runs, skips])] == [True, False] and not first.reaching
+    assert [c for _, c in last.signatures_of([reaches, own])] == [True, False] and not last.reaching
 
     _, inter = _toy()
     inter.stages = last
-    for req_id in ("a", "b", "c"):
-        inter.admit(req_id, {"nnsight": '{"v": 1, "kind": "spec", "ops": [{"op": "scale", "module": "layers.0", '
-                                         '"factor": 2.0, "steps": "all"}]}'})
-    last.admitted_as.update({"a": ("mine", False), "b": ("mine", True), "c": ("mine", False)})
+    spec = '{"v": 1, "kind": "spec", "ops": [{"op": "scale", "module": "layers.0", "factor": 2.0, "steps": "all"}]}'
+    for req_id in ("a", "b", "c", "d"):
+        inter.admit(req_id, {"nnsight": spec})
+    last.admitted_as.update({"a": [("mine", False)], "b": [("mine", True)], "c": [("mine", False)],
+                             "d": [("edit", True), ("mine", False)]})
     step = {}
-    first.signatures.update({"a": stages.NOTHING, "b": stages.NOTHING, "c": "theirs"})
+    first.signatures.update({"a": [stages.NOTHING], "b": [stages.NOTHING], "c": ["theirs"],
+                             "d": ["edit", stages.NOTHING]})
     first.send(step)
     stages.receive(inter, step)
     assert inter.sessions["a"][0].error is None  # (stage 0 runs nothing; the plan stays on the last stage)
     assert "different plans" in inter.sessions["b"][0].error["message"]  # (its stage-0 ops would be lost)
     assert "different plans" in inter.sessions["c"][0].error["message"]  # (stage 0 runs a plan of its own)
+    assert inter.sessions["d"][0].error is None  # (an installed edit that agrees, a block of the last stage's)
 
 
 def test_a_module_every_stage_builds_belongs_to_the_stage_that_runs_it():

@@ -533,6 +533,17 @@ def test_pipeline_parallel_traces_every_stage(tied_llama_path, hf_tied_llama):
             mlp = model.model.layers[3].mlp.output.save()
         assert tracer.outputs[0].ran_as == "batched"
         assert_close(mlp, HF(hf_llama, ids).watch("mlp", hf_llama.model.layers[3].mlp).run().out["mlp"])
+        # the same block beside an installed steering of stage 0: each block's plans agree
+        with model.edit() as (tracer, steer):
+            for _ in tracer.all():
+                model.model.layers[0].output[0][:] += v
+        try:
+            with model.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
+                mlp = model.model.layers[3].mlp.output.save()
+        finally:
+            steer.clear()
+        ref = HF(hf_llama, ids).edit(hf_llama.model.layers[0], _steer(v))
+        assert_close(mlp, ref.watch("mlp", hf_llama.model.layers[3].mlp).run().out["mlp"])
 
         # one batch: untraced, steered on stage 0, steered on stage 1, an op error on stage 0
         greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)

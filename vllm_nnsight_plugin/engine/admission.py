@@ -40,16 +40,14 @@ class Admission:
             blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks),
                                         kept_code=kept_code, max_tokens=max_tokens))
         if self.stages is not None and not self.stages.last:
-            reaching = req_id in self.stages.reaching  # (the last stage compares its own plans)
-            self.stages.signatures[req_id] = stages.signature(blocks) if reaching else stages.NOTHING
-            self.stages.reaching.discard(req_id)
+            self.stages.signatures[req_id] = [sig if crosses else stages.NOTHING  # (the last stage compares)
+                                              for sig, crosses in self.stages.signatures_of(blocks)]
             for block in blocks:
                 if block.error:  # (sent on: the last stage reports it if its own blocks did not fail)
                     self.stages.errors[req_id] = block.error.get("message", "bad payload")
             blocks = [b for b in blocks if b.batched and not b.error]  # (the last stage runs and reports the rest)
         elif self.stages is not None:
-            self.stages.admitted_as[req_id] = (stages.signature(blocks), req_id in self.stages.reaching)
-            self.stages.reaching.discard(req_id)
+            self.stages.admitted_as[req_id] = self.stages.signatures_of(blocks)
         if blocks:
             self._epoch += 1
             self.requests.admitted(req_id, blocks, params, every_step=bool(
@@ -159,7 +157,7 @@ class Admission:
             session.edits = batched.edits(env)
             session.wait = Wait("step", 1 << 62)
             if self.stages is not None:
-                self.stages.note(session.req_id, env["ops"])
+                self.stages.note(session, env["ops"])
             if self.eager:
                 for op in env["ops"]:
                     if "module" in op and (self.stages is None or self.stages.role(op) != "skip"):

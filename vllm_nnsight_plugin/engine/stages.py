@@ -49,11 +49,11 @@ class StageTransport:
         self.exports: dict[tuple, tuple[str, str, list[Any]]] = {}  # key -> (path, io, [(session, op)])
         # paths that hold another stage's modules (the root, "model"): their value is the last stage's
         self.containers = frozenset(p.rsplit(".", i)[0] for p in absent for i in range(1, p.count(".") + 1)) | {""}
-        self.signatures: dict[str, str] = {}  # request -> its plans' signature, to send with its first step
-        # (the last stage) request -> its own plans' signature, and whether they reach earlier stages
-        self.admitted_as: dict[str, tuple[str, bool]] = {}
-        self.reaching: set[str] = set()  # requests admitted now whose plans cross stages (see note)
-        self.incoming_signatures: dict[str, str] = {}
+        self.signatures: dict[str, list[str]] = {}  # request -> its blocks' signatures, sent with its first step
+        # (the last stage) request -> its blocks' own signatures, each with whether it reaches earlier stages
+        self.admitted_as: dict[str, list[tuple[str, bool]]] = {}
+        self.reaching: set[int] = set()  # blocks being admitted whose plans cross stages (ids; see note)
+        self.incoming_signatures: dict[str, list[str]] = {}
         self.captured: dict[tuple[str, str], Any] = {}  # this step's exported values by (path, io)
         self.errors: dict[str, str] = {}  # request -> an op error of this stage, to send on
         self.incoming: list[tuple[str, str, Any]] = []  # what earlier stages sent this step
@@ -72,16 +72,23 @@ class StageTransport:
             return "skip"
         return "export" if op["op"] in READ_OPS else "run"
 
-    def note(self, req_id: str, ops: list[dict[str, Any]]) -> None:
-        """A batched plan of a request being admitted: whether it crosses stages here
-        (on an earlier stage: it runs or exports an op; on the last: it touches an earlier
-        stage's module). Only then must the stages' plans agree (see :func:`receive`)."""
+    def note(self, session: Any, ops: list[dict[str, Any]]) -> None:
+        """A block's batched plan, being admitted: whether it crosses stages here (on an
+        earlier stage: it runs or exports an op; on the last: it touches an earlier
+        stage's module). Only then must the stages' plans of it agree (see :func:`receive`)."""
         if self.last:
             crosses = any(guards.held_elsewhere(op["module"], self.absent) for op in ops if "module" in op)
         else:
             crosses = any(self.role(op) != "skip" for op in ops)
         if crosses:
-            self.reaching.add(req_id)
+            self.reaching.add(id(session))
+
+    def signatures_of(self, blocks: list[Any]) -> list[tuple[str, bool]]:
+        """Each block's signature and whether its plan crosses stages here (forgotten
+        here: asked once, at the request's admission)."""
+        out = [(signature([b]), id(b) in self.reaching) for b in blocks]
+        self.reaching.clear()
+        return out
 
     def export(self, key: tuple, path: str, io: str, session: Any, op: dict[str, Any]) -> None:
         self.exports.setdefault(key, (path, io, []))[2].append((session, op))
@@ -184,16 +191,18 @@ def receive(inter: Any, carried: dict[str, Any]) -> None:
         if req_id in inter.traced and not any(s.error for s in inter.sessions.get(req_id, ())):
             inter.fail_request(req_id, message)
     for req_id, theirs in transport.incoming_signatures.items():
-        mine, reaches = transport.admitted_as.get(req_id, (None, False))
-        # (an earlier stage that runs nothing for it agrees with any plan that does not reach it)
-        differ = mine is not None and theirs != mine and (theirs != NOTHING or reaches)
+        mine = transport.admitted_as.get(req_id)
+        # (block by block: an earlier stage that runs nothing of a block agrees with any plan
+        # of it that does not reach that stage)
+        differ = mine is not None and (len(theirs) != len(mine) or any(
+            t != m and (t != NOTHING or reaches) for t, (m, reaches) in zip(theirs, mine)))
         if differ and not any(s.error for s in inter.sessions.get(req_id, ())):
             inter.fail_request(req_id, "this request's blocks record into different plans on the pipeline "
                                        "stages (a module another stage holds records differently there), so "
                                        "its reads and edits of earlier stages cannot run: write them as a spec")
 
 
-NOTHING = "nothing"  # an earlier stage's signature for a request it runs no op of
+NOTHING = "nothing"  # an earlier stage's signature for a block it runs no op of
 
 
 def signature(blocks: Any) -> str:
