@@ -197,3 +197,63 @@ def test_a_module_every_stage_builds_belongs_to_the_stage_that_runs_it():
     assert absent(False) == ["transformer.h.0", "transformer.wte", "transformer.wpe"]
     one = GPT2(True)
     assert stage_absent(list(one.named_modules()), lambda m: False, True, True) == []  # (no pipeline)
+
+
+def test_two_stages_admitting_the_same_requests_agree_where_they_must():
+    """The wiring from admission to the last stage's check, on two toy stages (stage 0
+    holds layer 0, the last stage layer 1; each has a childless placeholder for the
+    other's): a block of the last stage's submodules, which stage 0 can only keep as
+    code, runs; the same block editing stage 0's layer as well ends with an error (stage
+    0 could not run that edit); a spec editing stage 0's layer runs there."""
+    import sys
+    import types
+    from pathlib import Path
+
+    from vllm import SamplingParams
+
+    from vllm_nnsight_plugin.engine import stages
+    from vllm_nnsight_plugin.engine.interleave import Interleaver
+    from vllm_nnsight_plugin.payload import codec
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_batched import _Layer, _Toy
+
+    def stage(last):
+        model = _Toy().eval()
+        model.layers[0 if last else 1] = torch.nn.Identity()  # (the other stage's layer: no children)
+        cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=True),
+                                    compilation_config=None, additional_config={})
+        inter = Interleaver(model, cfg)
+        inter.absent = frozenset({"layers.0" if last else "layers.1", *(() if last else ("lm_head",))})
+        inter.stages = StageTransport(inter.absent, last)
+        return inter
+
+    first, last = stage(False), stage(True)
+    assert isinstance(last.model.layers[1], _Layer)
+
+    class Model:  # (the caller's model, as a block's payload refers to it)
+        def __nnsight_ref__(self):
+            return ("model",)
+
+    def code(source):
+        values = {"model": Model(), "v": torch.ones(4)}
+        return {"nnsight": codec.encode_code(codec.CodePayload(source, "<t>", 1, values))}
+
+    requests = {
+        "own": code("x = model.layers[1].lin.output.save()"),
+        "mixed": code("model.layers[0].output[:] += v\nx = model.layers[1].lin.output.save()"),
+        "spec": {"nnsight": '{"v": 1, "kind": "spec", "ops": [{"op": "add", "module": "layers.0", '
+                            '"value": [1, 1, 1, 1], "steps": "all"}]}'},
+    }
+    params = SamplingParams(max_tokens=2)
+    for req_id, extra in requests.items():
+        first.admit(req_id, extra, params)
+        last.admit(req_id, extra, params)
+    assert first.stages.signatures["own"] == [stages.NOTHING]  # (code there: it runs nothing of it)
+    assert first.stages.signatures["spec"] != [stages.NOTHING]  # (it runs the edit)
+    step = {}
+    first.stages.send(step)
+    stages.receive(last, step)
+    assert all(s.error is None for s in last.sessions["own"]) and last.sessions["own"][0].ran_as == "batched"
+    assert "different plans" in last.sessions["mixed"][0].error["message"]
+    assert all(s.error is None for s in last.sessions["spec"])

@@ -30,6 +30,8 @@ class Admission:
         kept_code = "nnsight_lower is off" if not lower.wanted(extra.get(codec.LOWER_KEY, True)) else \
             "its saves stream per step" if extra.get(codec.STREAM_KEY) else None  # why blocks stay code
         blocks: list[RequestSession] = []
+        if self.stages is not None:
+            self.stages.reaching.clear()  # (this request's blocks only: see StageTransport.note)
         max_tokens = getattr(params, "max_tokens", None)  # (plans' step ranges are read against it)
         for eid, (name, env) in self._selected_edits(extra.get(codec.EDITS_KEY)):
             blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
