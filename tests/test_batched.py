@@ -213,7 +213,7 @@ def test_the_steady_batch_shortcut_changes_nothing_but_the_work(monkeypatch):
     counts and ended blocks as walking every step."""
     import random
 
-    from vllm_nnsight_plugin.engine import interleave
+    from vllm_nnsight_plugin.engine import requests
 
     def run(specs: dict[str, str], steps: int) -> tuple:
         torch.manual_seed(0)
@@ -245,7 +245,7 @@ def test_the_steady_batch_shortcut_changes_nothing_but_the_work(monkeypatch):
             specs[f"r{i}"] = _toy_spec({**op, "steps": steps})
         with_shortcut, used_now = run(specs, 10)
         with monkeypatch.context() as patch:
-            patch.setattr(interleave._QuietBatch, "holds", lambda self, *args: False)
+            patch.setattr(requests.QuietBatch, "holds", lambda self, *args: False)
             walked, _ = run(specs, 10)
         assert with_shortcut == walked, specs
         used += used_now

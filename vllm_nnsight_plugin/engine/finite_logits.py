@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -119,3 +120,23 @@ class _Buffer(NamedTuple):
 
 def _bad(req_ids: list[str], flags: np.ndarray) -> list[str]:
     return [req_ids[i] for i in np.flatnonzero(~flags)]
+
+
+@dataclass
+class GuardedRows:
+    """The logits rows the non-finite check covers, kept while the batch's rows and
+    requests stay the same (``epoch``, ``rows``): the traced requests that may edit,
+    their rows' index (None: every row, in order) and the steps until the first of them
+    reaches its last step by ``max_tokens`` (None: none has a limit)."""
+
+    epoch: int
+    rows: dict[str, int]
+    req_ids: list[str]
+    index: torch.Tensor | None
+    room: int | None
+
+
+def non_finite_message(step: int | str) -> str:
+    # (by: the check is read once the device has got there, a step or two later)
+    return (f"the logits held NaN or inf by step {step}: an edit made this request's activations overflow or "
+            "become NaN, so it ends here (its KV cache blocks are zeroed before any other request gets them)")

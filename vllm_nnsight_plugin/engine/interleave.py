@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,10 +19,11 @@ from ..payload import codec
 from . import batched, budget, cache, finite_logits, host, lanes, lower, shards, stages, taps
 from .admission import Admission
 from .envoy import WorkerEnvoy, WorkerTracer
+from .finite_logits import GuardedRows
 from .limits import limits, measure
-from .requests import TracedRequests
+from .requests import QuietBatch, TracedRequests
 from .rows import StepLayout
-from .serving import GuardedRows, ValueServing
+from .serving import ValueServing
 from .session import RequestSession, engine_error, to_host
 
 
@@ -80,7 +80,7 @@ class Interleaver(Admission, ValueServing):
         self._parents: dict[int, torch.nn.Module] | None = None
         self._ranks: dict[str, int] | None = None
         self._epoch = 0
-        self._quiet: _QuietBatch | None = None  # (see _QuietBatch)
+        self._quiet: QuietBatch | None = None  # (see QuietBatch)
         self._chunks: dict[str, tuple[int, int, bool]] = {}  # prompts split this step (see prompt_split)
 
     # the traced requests' state, read here; changed only by self.requests (TracedRequests)
@@ -216,7 +216,7 @@ class Interleaver(Admission, ValueServing):
     def _walk_step(self, layout: StepLayout, loud: set[str], finishing: set[str] | frozenset) -> None:
         """end_step's pass over the batch: advance, end and record each traced request."""
         sessions = self.sessions
-        advanced: list[RequestSession] | None = [] if not loud else None  # (see _QuietBatch)
+        advanced: list[RequestSession] | None = [] if not loud else None  # (see QuietBatch)
         room: int | None = None
         for req_id in layout.spans:
             blocks = sessions.get(req_id)
@@ -267,7 +267,7 @@ class Interleaver(Admission, ValueServing):
                     session.release()
                 self._epoch += 1
         if advanced is not None and not self.batched.stale:
-            self._quiet = _QuietBatch(self._epoch, layout.spans, advanced, room)
+            self._quiet = QuietBatch(self._epoch, layout.spans, advanced, room)
 
     def _ship(self) -> None:
         """The step's fresh snapshots to the CPU (one copy per dtype for all requests),
@@ -388,26 +388,3 @@ class Interleaver(Admission, ValueServing):
             self._unwait(session)
             session.fail(message)
 
-
-@dataclass
-class _QuietBatch:
-    """A step in which every traced request only advanced its batched specs' step
-    count. The next steps with the same requests (``spans``), no admission or finish
-    (``epoch``), no spec over or failed (``batched.stale``), and ``room`` steps before
-    the first of them reaches its last step (None: none has one) advance those
-    sessions without walking the batch."""
-
-    epoch: int
-    spans: dict
-    sessions: list[RequestSession]
-    room: int | None
-
-    def holds(self, epoch: int, spans: dict, stale: bool) -> bool:
-        return epoch == self.epoch and not stale and (self.room is None or self.room > 0) \
-            and (spans is self.spans or spans == self.spans)
-
-    def advance(self) -> None:
-        for session in self.sessions:
-            session.step += 1
-        if self.room is not None:
-            self.room -= 1

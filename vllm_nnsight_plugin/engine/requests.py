@@ -4,10 +4,11 @@ finishes it), so no index outlives its request.
 
 The per-step paths test membership in whole sets (``coded``, ``stepwise``, the
 requests that report every step), so those stay sets; they are only ever changed
-here."""
+here. A steady batch of them advances without a walk (:class:`QuietBatch`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -64,3 +65,27 @@ class TracedRequests:
         self.report_every_step.discard(req_id)
         self.reported.pop(req_id, None)
         return self.sessions.pop(req_id, [])
+
+
+@dataclass
+class QuietBatch:
+    """A step in which every traced request only advanced its batched specs' step
+    count. The next steps with the same requests (``spans``), no admission or finish
+    (``epoch``), no spec over or failed (``batched.stale``), and ``room`` steps before
+    the first of them reaches its last step (None: none has one) advance those
+    sessions without walking the batch."""
+
+    epoch: int
+    spans: dict
+    sessions: list[RequestSession]
+    room: int | None
+
+    def holds(self, epoch: int, spans: dict, stale: bool) -> bool:
+        return epoch == self.epoch and not stale and (self.room is None or self.room > 0) \
+            and (spans is self.spans or spans == self.spans)
+
+    def advance(self) -> None:
+        for session in self.sessions:
+            session.step += 1
+        if self.room is not None:
+            self.room -= 1

@@ -5,12 +5,12 @@ together first), the logits guard, samples checked. A part of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import guards, lanes, plan_ops, shards, taps
+from .finite_logits import GuardedRows, non_finite_message
 from .rows import _per_token, assign_into, narrow
 from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wait, engine_error
 from .tree import leaves
@@ -18,20 +18,6 @@ from .tree import leaves
 SERVED_LIMIT = 1 << 16  # distinct served storages remembered (eager engines reuse a bounded set)
 
 
-
-
-@dataclass
-class GuardedRows:
-    """The logits rows the non-finite check covers, kept while the batch's rows and
-    requests stay the same (``epoch``, ``rows``): the traced requests that may edit,
-    their rows' index (None: every row, in order) and the steps until the first of them
-    reaches its last step by ``max_tokens`` (None: none has a limit)."""
-
-    epoch: int
-    rows: dict[str, int]
-    req_ids: list[str]
-    index: torch.Tensor | None
-    room: int | None
 
 
 class ValueServing:
@@ -225,7 +211,7 @@ class ValueServing:
         read are not checked: they change no activation. On a GPU the check is read when
         the device has got there; in a request's last step by ``max_tokens``, where vLLM
         takes that step's output (``late_errors``). The checked rows are kept while the
-        batch's rows and requests stay the same (:class:`GuardedRows`)."""
+        batch's rows and requests stay the same (:class:`.finite_logits.GuardedRows`)."""
         layout = self.layout
         self.vocab = int(logits.shape[-1])
         if not self.sessions and not self.finite.waiting:
@@ -256,10 +242,11 @@ class ValueServing:
             # takes that output (a wait here, before sampling, would stall the step)
             failed = self.finite.detach()
             steps = {r: self.sessions[r][0].step for r in req_ids if r in self.sessions}
-            self.late_errors = lambda: {r: {"error": engine_error(_non_finite(steps.get(r, "?")))}
+            self.late_errors = lambda: {r: {"error": engine_error(non_finite_message(steps.get(r, "?")))}
                                         for r in failed()}
         for req_id in found:
-            self.fail_request(req_id, _non_finite(self.sessions[req_id][0].step if req_id in self.sessions else "?"))
+            step = self.sessions[req_id][0].step if req_id in self.sessions else "?"
+            self.fail_request(req_id, non_finite_message(step))
 
 
     def keep_logits(self, logits: torch.Tensor) -> None:
@@ -418,8 +405,3 @@ class ValueServing:
                 self._end_block(session, f"model.samples was set to a token id outside the vocabulary "
                                          f"(0..{self.vocab - 1}); the request ends here")
 
-
-def _non_finite(step: int | str) -> str:
-    # (by: the check is read once the device has got there, a step or two later)
-    return (f"the logits held NaN or inf by step {step}: an edit made this request's activations overflow or "
-            "become NaN, so it ends here (its KV cache blocks are zeroed before any other request gets them)")
