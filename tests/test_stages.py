@@ -5,6 +5,7 @@ The engine-level behaviour is in tests/test_tp.py."""
 from __future__ import annotations
 
 import torch
+from test_batched import _Layer, _Toy, _toy, _toy_spec  # (tests/ is on the path, as conftest's folder)
 
 from vllm_nnsight_plugin.engine.stages import StageTransport, signature
 
@@ -70,9 +71,9 @@ def test_a_plan_signature_tells_plans_and_code_apart():
 
     plan = Lowered([{"op": "add", "module": "model.layers.0", "value": [1.0]}])
     other = Lowered([{"op": "read", "name": "h", "module": "model.layers.3.mlp"}])
-    assert signature([Block(plan)]) == signature([Block(plan)])
-    assert len({signature([Block(plan)]), signature([Block(other)]), signature([Block()]),
-                signature([Block(batched=True)])}) == 4
+    assert signature(Block(plan)) == signature(Block(plan))
+    assert len({signature(Block(plan)), signature(Block(other)), signature(Block()),
+                signature(Block(batched=True))}) == 4
 
 
 def test_with_tensor_parallel_too_plans_reach_the_last_stage_only():
@@ -108,13 +109,8 @@ def test_plans_cross_stages_only_where_what_travels_arrives_whole():
 
 def test_a_transport_that_cannot_be_read_ends_the_traced_requests_not_the_engine():
     import json
-    import sys
-    from pathlib import Path
 
     from vllm_nnsight_plugin.engine import stages
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_batched import _toy, _toy_spec
 
     _, inter = _toy()
     inter.admit("a", {"nnsight": _toy_spec({"op": "scale", "module": "layers.0", "factor": 2.0, "steps": "all"})})
@@ -130,13 +126,7 @@ def test_the_stages_plans_must_agree_only_where_they_cross_stages():
     """The last stage ends a request whose blocks record differently on an earlier stage
     only where a difference can drop an op, block by block: the earlier stage runs some
     op of the block, or the last stage's plan of it reaches an earlier stage's module."""
-    import sys
-    from pathlib import Path
-
     from vllm_nnsight_plugin.engine import stages
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_batched import _toy
 
     class Block:
         lowered, batched = None, True
@@ -205,18 +195,13 @@ def test_two_stages_admitting_the_same_requests_agree_where_they_must():
     other's): a block of the last stage's submodules, which stage 0 can only keep as
     code, runs; the same block editing stage 0's layer as well ends with an error (stage
     0 could not run that edit); a spec editing stage 0's layer runs there."""
-    import sys
     import types
-    from pathlib import Path
 
     from vllm import SamplingParams
 
     from vllm_nnsight_plugin.engine import stages
     from vllm_nnsight_plugin.engine.interleave import Interleaver
     from vllm_nnsight_plugin.payload import codec
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_batched import _Layer, _Toy
 
     def stage(last):
         model = _Toy().eval()

@@ -52,28 +52,24 @@ def stages_carry(vllm_config: Any) -> bool:
         and getattr(parallel_config, "distributed_executor_backend", None) != "external_launcher"
 
 
-def last_pipeline_stage() -> bool:
-    """Whether this worker runs the model's last pipeline stage: the only one whose
-    output (logits, samples, results) reaches the scheduler. True without pipeline
-    parallel."""
+def pipeline_position() -> tuple[bool, bool]:
+    """Whether this worker runs the model's (first, last) pipeline stage; the last is
+    the only one whose output (logits, samples, results) reaches the scheduler. Both
+    without pipeline parallel, or outside a worker."""
     from vllm.distributed import get_pp_group
 
     try:
-        return bool(get_pp_group().is_last_rank)
+        group = get_pp_group()
     except AssertionError:  # (no distributed state in this process: not a worker)
-        return True
+        return True, True
+    return bool(group.is_first_rank), bool(group.is_last_rank)
 
 
 def absent_modules(model: Any) -> list[str]:
     """Paths of the modules another pipeline stage runs (see :func:`stage_absent`)."""
-    from vllm.distributed import get_pp_group
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    try:
-        group = get_pp_group()
-        first, last = bool(group.is_first_rank), bool(group.is_last_rank)
-    except AssertionError:  # (no distributed state in this process)
-        first = last = True
+    first, last = pipeline_position()
     return stage_absent(list(model.named_modules()), lambda m: isinstance(m, PPMissingLayer), first, last)
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..payload.spec import is_single
+from ..payload.spec import READ_OPS, WRITES, is_single
 from . import arith, lanes
 from .cache import Dropped
 from .guards import check_writable
@@ -48,12 +48,10 @@ if TYPE_CHECKING:
     from .interleave import Interleaver
     from .session import RequestSession
 
-EDIT_OPS = ("add", "scale", "zero", "set")
-READ_OPS = ("read", "logits")
 
 
 def _batchable(op: dict[str, Any]) -> bool:
-    return op["op"] in EDIT_OPS or op["op"] in READ_OPS
+    return op["op"] in WRITES or op["op"] in READ_OPS
 
 
 def eligible(env: dict[str, Any]) -> bool:
@@ -65,13 +63,13 @@ def eligible(env: dict[str, Any]) -> bool:
 def replayable(env: dict[str, Any]) -> bool:
     """Edits only, of whole rows at every step: a recomputed forward, a split prompt or
     a prefix-cache hit computed under the same edits gets them again, row by row."""
-    return all(op["op"] in EDIT_OPS and op.get("steps") == "all" and op.get("positions") is None
+    return all(op["op"] in WRITES and op.get("steps") == "all" and op.get("positions") is None
                for op in env["ops"])
 
 
 def edits(env: dict[str, Any]) -> bool:
     """Whether the spec changes activations (else its requests' logits need no check)."""
-    return any(op["op"] in EDIT_OPS for op in env["ops"])
+    return any(op["op"] in WRITES for op in env["ops"])
 
 
 def last_step(env: dict[str, Any]) -> int | None:

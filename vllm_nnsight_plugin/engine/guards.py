@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..payload.codec import PayloadError
-from ..payload.spec import WRITES
+from ..payload.spec import READ_OPS, WRITES
 from .tree import map_tensors
 
 # first-argument names vLLM's models give integer inputs (ids, positions, indices)
@@ -97,16 +97,7 @@ def refuse_absent(env: dict[str, Any], absent: Any, carried: bool = True) -> Non
     Not ``carried`` (tensor parallel too): no op may touch an earlier stage's module."""
     if env.get("kind") != "spec" or not absent:
         return
-    if not carried:
-        for i, op in enumerate(env["ops"]):
-            for path in [op["module"]] if "module" in op else op.get("modules") or []:
-                if held_elsewhere(path, absent):
-                    raise PayloadError(f"invalid spec at ops[{i}]: {path} is computed in an earlier pipeline stage, "
-                                       "which plans reach only with two stages, no tensor parallel and not "
-                                       "under the external launcher: here they reach the last stage's modules, "
-                                       f"model.logits and model.samples. The earlier stages hold {_summary(absent)}")
-        return
-    batchable = all(op["op"] in ("add", "scale", "zero", "set", "read", "logits") for op in env["ops"])
+    batchable = all(op["op"] in WRITES or op["op"] in READ_OPS for op in env["ops"])
     edited_later: dict[tuple[str, str], int] = {}
     for i, op in enumerate(env["ops"]):
         if op["op"] in WRITES:
@@ -115,6 +106,11 @@ def refuse_absent(env: dict[str, Any], absent: Any, carried: bool = True) -> Non
         for path in [op["module"]] if "module" in op else op.get("modules") or []:
             if not held_elsewhere(path, absent):
                 continue
+            if not carried:
+                raise PayloadError(f"invalid spec at ops[{i}]: {path} is computed in an earlier pipeline stage, "
+                                   "which plans reach only with two stages, no tensor parallel and not "
+                                   "under the external launcher: here they reach the last stage's modules, "
+                                   f"model.logits and model.samples. The earlier stages hold {_summary(absent)}")
             if "modules" in op or not batchable:
                 what = "a cache" if "modules" in op else "a spec that runs per request (not batched)"
                 raise PayloadError(f"invalid spec at ops[{i}]: {path} is computed in an earlier pipeline stage, "

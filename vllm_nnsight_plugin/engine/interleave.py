@@ -55,7 +55,7 @@ class Interleaver(Admission, ValueServing):
         self.splits = shards.Splits(model)  # tensor parallel: which locations are split across ranks
         # pipeline parallel: the modules other stages hold, and how plans reach them
         self.absent = frozenset(parallel.absent_modules(model)) if piped else frozenset()
-        self.stages = stages.StageTransport(self.absent, parallel.last_pipeline_stage(),
+        self.stages = stages.StageTransport(self.absent, parallel.pipeline_position()[1],
                                             carries=parallel.stages_carry(vllm_config)) if piped else None
         self.batched = batched.BatchedEdits(self)
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
@@ -387,4 +387,3 @@ class Interleaver(Admission, ValueServing):
         if session.error is None:
             self._unwait(session)
             session.fail(message)
-

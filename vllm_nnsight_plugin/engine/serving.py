@@ -119,7 +119,7 @@ class ValueServing:
             if self.waiters.get((id(mod), "inputs")):
                 self.serve((id(mod), "inputs"), (args, kwargs))
             if self.waiters.get((id(mod), "input")) or (id(mod), "input") in self.batched.at \
-                    or self.layout is not None and self._exporting((id(mod), "input")):
+                    or self._exporting((id(mod), "input")):
                 first = args[0] if args else next(iter(kwargs.values()), None)
                 self.serve((id(mod), "input"), first)
         return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -134,7 +134,7 @@ class ValueServing:
 
     def _exporting(self, key: tuple) -> bool:
         """Whether this (earlier pipeline) stage sends the value at ``key`` on this step."""
-        return self.stages is not None and self.stages.exporting(key, self.layout.spans)
+        return self.stages is not None and self.layout is not None and self.stages.exporting(key, self.layout.spans)
 
 
     def needs_python(self, scheduled: dict[str, int]) -> bool:
@@ -297,7 +297,7 @@ class ValueServing:
             write_back()
             return
         self._serve(key, value, row_based)
-        if self.layout is not None and self._exporting(key):
+        if self._exporting(key):
             self.stages.capture(key, value)
 
 
@@ -404,4 +404,3 @@ class ValueServing:
             if wrong:
                 self._end_block(session, f"model.samples was set to a token id outside the vocabulary "
                                          f"(0..{self.vocab - 1}); the request ends here")
-

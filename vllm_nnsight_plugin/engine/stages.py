@@ -15,9 +15,10 @@ plan on the modules it holds in its own way (:meth:`StageTransport.role`):
 
 A plan that reads a module of an earlier stage before editing it is refused: the
 value that travels is the edited one. Code blocks run on the last stage only, and a
-block that touches an earlier stage's module is refused at the access. Every stage
-sends a signature of each new request's plans; the last stage ends a request whose
-blocks recorded differently on another stage (a placeholder module records less).
+block that touches an earlier stage's module is refused at the access. An earlier
+stage sends a signature of each new request's blocks (``NOTHING`` for a block it runs
+no op of); the last stage ends a request with a block that recorded differently there
+where that could drop an op (a placeholder module records less).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 
 import torch
 
+from ..payload.spec import READ_OPS
 from . import guards
-from .batched import READ_OPS
 from .plan_ops import is_due
 from .taps import flatten, rebuild
 
@@ -86,7 +87,7 @@ class StageTransport:
     def signatures_of(self, blocks: list[Any]) -> list[tuple[str, bool]]:
         """Each block's signature and whether its plan crosses stages here (forgotten
         here: asked once, at the request's admission)."""
-        out = [(signature([b]), id(b) in self.reaching) for b in blocks]
+        out = [(signature(b), id(b) in self.reaching) for b in blocks]
         self.reaching.clear()
         return out
 
@@ -205,11 +206,11 @@ def receive(inter: Any, carried: dict[str, Any]) -> None:
 NOTHING = "nothing"  # an earlier stage's signature for a block it runs no op of
 
 
-def signature(blocks: Any) -> str:
-    """What a request's blocks run as on this stage: each one's plan, or code."""
-    parts = [json.dumps(s.lowered.spec, sort_keys=True) if s.lowered is not None
-             else "batched" if s.batched else "code" for s in blocks]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+def signature(block: Any) -> str:
+    """What a block runs as on this stage: its plan, or code."""
+    part = json.dumps(block.lowered.spec, sort_keys=True) if block.lowered is not None \
+        else "batched" if block.batched else "code"
+    return hashlib.sha256(part.encode()).hexdigest()
 
 
 def serve(inter: Any) -> None:

@@ -52,6 +52,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 MAX_CACHED_MODULES = 4096
 WRITES = ("add", "set", "scale", "zero")
+READ_OPS = ("read", "logits")  # the reads a batched plan runs (with WRITES)
 
 
 @functools.lru_cache(maxsize=1)
