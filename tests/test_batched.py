@@ -11,7 +11,7 @@ from conftest import generate_together
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, make_payload, results
-from vllm_nnsight_plugin.engine import batched
+from vllm_nnsight_plugin.payload.spec import last_step, replayable, runs_batched
 
 PROMPTS = ["The capital of Japan is", "Hello world!", "One two three four", "The quick brown fox", "A B C"]
 
@@ -48,16 +48,16 @@ def _block_b(model, tracer):
 
 
 def test_steering_specs_qualify_for_the_batched_path():
-    assert batched.eligible(json.loads(_spec(VEC_A)))
+    assert runs_batched(json.loads(_spec(VEC_A)))
     once = {"op": "add", "module": "m", "value": [1], "steps": "prefill"}
-    assert batched.eligible({"kind": "spec", "ops": [once]}) and not batched.replayable({"ops": [once]})
-    assert batched.last_step({"ops": [once, {**once, "steps": [2, 5]}]}) == 5
-    assert batched.eligible({"kind": "spec", "ops": [{"op": "read", "name": "h", "module": "m", "steps": "all"}]})
+    assert runs_batched({"kind": "spec", "ops": [once]}) and not replayable({"ops": [once]})
+    assert last_step({"ops": [once, {**once, "steps": [2, 5]}]}) == 5
+    assert runs_batched({"kind": "spec", "ops": [{"op": "read", "name": "h", "module": "m", "steps": "all"}]})
     last_row = {"op": "read", "name": "h", "module": "m", "steps": "all", "positions": [-1]}
-    assert batched.eligible({"kind": "spec", "ops": [last_row]})
-    assert not batched.eligible({"kind": "spec", "ops": [{"op": "logits_topk", "name": "t", "k": 3}]})
+    assert runs_batched({"kind": "spec", "ops": [last_row]})
+    assert not runs_batched({"kind": "spec", "ops": [{"op": "logits_topk", "name": "t", "k": 3}]})
     steer = json.loads(_spec(VEC_A))
-    assert batched.replayable(steer) and batched.last_step(steer) is None
+    assert replayable(steer) and last_step(steer) is None
 
 
 def test_batched_steering_equals_the_same_steering_as_a_block(llama):
@@ -296,7 +296,7 @@ def test_batched_reads_at_every_step_equal_hugging_face(llama, hf_llama):
         {"op": "read", "name": "first", "module": "model.layers.1", "index": 0},
         {"op": "read", "name": "stream", "module": "model.layers.1", "sum": True, "steps": "all"},
     ]})
-    assert batched.eligible(json.loads(spec))
+    assert runs_batched(json.loads(spec))
     prompts = PROMPTS[:4]
     outs = llama.vllm_entrypoint.generate(prompts, [_params(spec)] * 4, use_tqdm=False)
     for out in outs:

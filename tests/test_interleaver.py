@@ -125,14 +125,15 @@ def test_a_steps_saves_reach_the_host_in_one_copy_per_dtype(monkeypatch):
     dtype (one synchronisation for 256 requests, not 256), values land in the right
     request and name, and a tensor shipped before is not copied again. (On this CPU
     machine "on the device" is simulated: the copy itself is the same code.)"""
-    from vllm_nnsight_plugin.engine import session as session_mod
-    from vllm_nnsight_plugin.engine.session import RequestSession, to_host
+    from vllm_nnsight_plugin.engine import host as host_mod
+    from vllm_nnsight_plugin.engine.host import to_host
+    from vllm_nnsight_plugin.engine.session import RequestSession
 
     device = set()
-    monkeypatch.setattr(session_mod, "on_device", lambda t: id(t) in device)
+    monkeypatch.setattr(host_mod, "on_device", lambda t: id(t) in device)
     cats = []
     real_cat = torch.cat
-    monkeypatch.setattr(session_mod.torch, "cat", lambda ts, *a, **k: cats.append(len(ts)) or real_cat(ts, *a, **k))
+    monkeypatch.setattr(host_mod.torch, "cat", lambda ts, *a, **k: cats.append(len(ts)) or real_cat(ts, *a, **k))
 
     def mark(t):
         device.add(id(t))
@@ -148,7 +149,7 @@ def test_a_steps_saves_reach_the_host_in_one_copy_per_dtype(monkeypatch):
     assert torch.equal(a.last["h"], h_a) and a.last["h"] is not h_a and a.last["n"] == 3
     assert all(torch.equal(x, y) for x, y in zip(a.last["rows"], rows))
     assert torch.equal(b.last["pair"][0], h_b) and b.last["pair"][0] is b.last["h"]
-    monkeypatch.setattr(session_mod, "HOST_CHUNK_BYTES", 60)  # 48 B + 32 B > 60: two copies
+    monkeypatch.setattr(host_mod, "HOST_CHUNK_BYTES", 60)  # 48 B + 32 B > 60: two copies
     cats.clear()
     c = RequestSession("c", None)
     c.last = {"x": mark(torch.randn(3, 4)), "y": mark(torch.randn(2, 4)), "z": mark(torch.randn(1, 4))}

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from vllm_nnsight_plugin import make_payload
-from vllm_nnsight_plugin.engine import batched
 from vllm_nnsight_plugin.engine.lower import Fallback, Lowered, Lowerings, output_structure, plan_block, recorder
+from vllm_nnsight_plugin.payload.spec import runs_batched
 
 
 class Pair(torch.nn.Module):
@@ -60,7 +60,7 @@ def _plan(source: str, **values) -> Lowered | Fallback:
 def _ops(source: str, **values) -> list[dict]:
     found = _plan(source, **values)
     assert isinstance(found, Lowered), found
-    assert batched.eligible(found.spec)
+    assert runs_batched(found.spec)
     return found.spec["ops"]
 
 

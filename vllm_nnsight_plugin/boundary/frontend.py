@@ -17,8 +17,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..engine import batched, edits, guards, taps
-from ..payload import codec
+from ..engine import edits, guards, taps
+from ..payload import codec, spec
 from . import configuration, entrypoints, parallel, patching
 from .whole_prompts import SALT_PREFIX, SHARED_SPEC_SALT
 
@@ -115,7 +115,7 @@ def cache_salt(raw: Any, env: dict[str, Any] | None) -> str:
     Anything else gets a salt of its own: a read must see its prompt computed, and a
     block's edits depend on more than its text. (A spec that fails deterministically,
     e.g. a value of the wrong width, fails again for the next request with its text.)"""
-    if env is not None and not edits.INSTALLED and env["kind"] == "spec" and batched.replayable(env):
+    if env is not None and not edits.INSTALLED and env["kind"] == "spec" and spec.replayable(env):
         return _spec_salt(raw)
     return f"{SALT_PREFIX}{uuid.uuid4().hex}"
 

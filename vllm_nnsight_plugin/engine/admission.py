@@ -8,8 +8,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ..payload import codec
-from . import batched, cache, guards, lower, stages
+from ..payload import codec, spec
+from . import cache, guards, lower, stages
 from .envoy import WorkerEnvoy
 from .session import RequestSession, Wait
 from .tree import map_tensors
@@ -146,17 +146,17 @@ class Admission:
             env = {**env, "ops": [op for op in env["ops"] if op["op"] != "cache"]}
         env = self.batched.with_caches(env, self.expand_cache)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
-        if batch_index is not None and batched.eligible(env):  # with every identical edit, no greenlet
+        if batch_index is not None and spec.runs_batched(env):  # with every identical edit, no greenlet
             env = self.batched.for_request(env, max_tokens)
             self.batched.add(session, env, batch_index)
             cache.bind(session, env)
             session.batched = True
-            session.batched_reads = batched.reads(env)
-            session.prefill_reads = batched.prefill_reads(env)
-            session.prompt_only = batched.prompt_only(env)
-            session.last_step = batched.last_step(env)
-            session.replayable = batched.replayable(env)
-            session.edits = batched.edits(env)
+            session.batched_reads = spec.reads(env)
+            session.prefill_reads = spec.prefill_reads(env)
+            session.prompt_only = spec.prompt_only(env)
+            session.last_step = spec.last_step(env)
+            session.replayable = spec.replayable(env)
+            session.edits = spec.edits(env)
             session.wait = Wait("step", 1 << 62)
             if self.stages is not None:
                 self.stages.note(session, env["ops"])
@@ -177,8 +177,6 @@ class Admission:
 
     def cache_for(self, session: RequestSession, op: dict[str, Any]) -> cache.ModuleCache:
         """``tracer.cache()`` in a block that runs as code."""
-        from ..payload import spec
-
         spec.validate(codec.spec_envelope([op]))
         return cache.attach(self, session, self.expand_cache(op), 1 << 20)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..payload.spec import READ_OPS, WRITES, is_single
+from ..payload.spec import READ_OPS, is_single
 from . import arith, lanes
 from .cache import Dropped
 from .guards import check_writable
@@ -48,52 +48,6 @@ if TYPE_CHECKING:
     from .interleave import Interleaver
     from .session import RequestSession
 
-
-
-def _batchable(op: dict[str, Any]) -> bool:
-    return op["op"] in WRITES or op["op"] in READ_OPS
-
-
-def eligible(env: dict[str, Any]) -> bool:
-    """Whether a spec can run batched: every op reads or edits a module or reads the
-    logits (a ``logits_topk`` runs per request)."""
-    return env.get("kind") == "spec" and all(_batchable(op) for op in env["ops"])
-
-
-def replayable(env: dict[str, Any]) -> bool:
-    """Edits only, of whole rows at every step: a recomputed forward, a split prompt or
-    a prefix-cache hit computed under the same edits gets them again, row by row."""
-    return all(op["op"] in WRITES and op.get("steps") == "all" and op.get("positions") is None
-               for op in env["ops"])
-
-
-def edits(env: dict[str, Any]) -> bool:
-    """Whether the spec changes activations (else its requests' logits need no check)."""
-    return any(op["op"] in WRITES for op in env["ops"])
-
-
-def last_step(env: dict[str, Any]) -> int | None:
-    """The spec's last step (None: it runs to the request's end)."""
-    last = 0
-    for op in env["ops"]:
-        steps = op.get("steps", "prefill")
-        if steps in ("all", "generated"):
-            return None
-        last = max(last, 0 if steps == "prefill" else max(steps))
-    return last
-
-
-def reads(env: dict[str, Any]) -> bool:
-    return any(op["op"] in READ_OPS for op in env["ops"])
-
-
-def prefill_reads(env: dict[str, Any]) -> bool:
-    return any(op["op"] in READ_OPS and is_single(op) for op in env["ops"])
-
-
-def prompt_only(env: dict[str, Any]) -> bool:
-    """Only reads at the prompt: nothing is left to do after the first step."""
-    return all(op["op"] in READ_OPS and is_single(op) for op in env["ops"])
 
 
 class BatchedEdits(LanePlans):

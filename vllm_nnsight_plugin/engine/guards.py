@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..payload.codec import PayloadError
-from ..payload.spec import READ_OPS, WRITES
+from ..payload.spec import WRITES, runs_batched
 from .tree import map_tensors
 
 # first-argument names vLLM's models give integer inputs (ids, positions, indices)
@@ -97,7 +97,7 @@ def refuse_absent(env: dict[str, Any], absent: Any, carried: bool = True) -> Non
     Not ``carried`` (tensor parallel too): no op may touch an earlier stage's module."""
     if env.get("kind") != "spec" or not absent:
         return
-    batchable = all(op["op"] in WRITES or op["op"] in READ_OPS for op in env["ops"])
+    batchable = runs_batched(env)
     edited_later: dict[tuple[str, str], int] = {}
     for i, op in enumerate(env["ops"]):
         if op["op"] in WRITES:

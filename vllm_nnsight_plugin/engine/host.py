@@ -8,6 +8,7 @@ next step's preparation. Copies here go to pinned host memory with
 anything reads the host tensors (when a step's results are encoded to leave the
 worker, which for per-step captures is the request's last step).
 
+A step's saves of blocks leave together (:func:`to_host`), one copy per dtype.
 Per-step reads of a batch (:mod:`.rowlog`) go into shared host blocks
 (:func:`put_rows`), so a request's rows from every step can later be gathered
 with one ``index_select`` instead of one slice per step.
@@ -16,8 +17,12 @@ with one ``index_select`` instead of one slice per step.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .session import RequestSession
 
 _pending: list[torch.cuda.Event] = []  # events of copies still in flight
 
@@ -73,3 +78,39 @@ def wait() -> None:
     """Block until every copy started here has landed."""
     while _pending:
         _pending.pop().synchronize()
+
+
+def on_device(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu"
+
+
+HOST_CHUNK_BYTES = 256 << 20  # at most this much extra device memory for one step's copy
+
+
+def to_host(sessions: list[RequestSession]) -> None:
+    """Move the snapshots (``session.last``) of a step's sessions to the CPU with one
+    device-to-host copy per dtype for the whole step (in chunks of at most
+    ``HOST_CHUNK_BYTES``), not one per request. The copies are non-blocking:
+    read the host values only after ``host.wait()``. A tensor
+    shipped before (a saved list re-sent as it grows) is not copied again."""
+    groups: dict[tuple, list[list[tuple[RequestSession, torch.Tensor]]]] = {}
+    filled: dict[tuple, int] = {}  # bytes in each group's last chunk
+    for session in sessions:
+        for t in session.off_host(session.last):
+            key, size = (t.dtype, t.device), t.numel() * t.element_size()
+            chunks = groups.setdefault(key, [[]])
+            if chunks[-1] and filled.get(key, 0) + size > HOST_CHUNK_BYTES:
+                chunks.append([])
+                filled[key] = 0
+            chunks[-1].append((session, t))
+            filled[key] = filled.get(key, 0) + size
+    for chunk in (c for chunks in groups.values() for c in chunks):
+        flat = host_copy(torch.cat([t.reshape(-1) for _, t in chunk])) if len(chunk) > 1 else None
+        offset = 0
+        for session, t in chunk:
+            cpu = flat[offset : offset + t.numel()].view(t.shape) if flat is not None else host_copy(t)
+            offset += t.numel()
+            session.adopt_host(t, cpu)
+    for session in sessions:
+        if session._on_device:  # (batched reads are on the host already: no walk)
+            session.last = session.on_host(session.last)

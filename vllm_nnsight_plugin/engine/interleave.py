@@ -21,13 +21,14 @@ from .admission import Admission
 from .envoy import WorkerEnvoy, WorkerTracer
 from .finite_logits import GuardedRows
 from .limits import limits, measure
+from .logits_serving import LogitsServing
 from .requests import QuietBatch, TracedRequests
 from .rows import StepLayout
 from .serving import ValueServing
-from .session import RequestSession, engine_error, to_host
+from .session import RequestSession, engine_error
 
 
-class Interleaver(Admission, ValueServing):
+class Interleaver(Admission, ValueServing, LogitsServing):
     """Worker-side state: sessions, waiters, hooks, the current step's layout. Its
     parts: admitting requests (:mod:`.admission`), serving values to blocks and
     batched ops (:mod:`.serving`), and, here, the step: begin, end, results shipped."""
@@ -120,7 +121,7 @@ class Interleaver(Admission, ValueServing):
             self.results.setdefault(req_id, {})["error"] = engine_error(message)
 
     def stateless(self, req_id: str) -> bool:
-        """Only replayable batched edits (batched.replayable): a recompute or a split
+        """Only replayable batched edits (payload.spec.replayable): a recompute or a split
         prompt gets them again, row by row. (Not batched reads: their rows would come
         in pieces, or twice; unless the read is over, its prompt rows shipped.)"""
         blocks = self.sessions.get(req_id)
@@ -279,7 +280,7 @@ class Interleaver(Admission, ValueServing):
         moving, self._moving = self._moving, []
         if not pending:
             return
-        to_host(moving)
+        host.to_host(moving)
         host.wait()  # the only wait for the copies: the bytes are read next
         for req_id, blocks in pending.items():
             entry = self.results.get(req_id)

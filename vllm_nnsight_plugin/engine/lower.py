@@ -28,7 +28,8 @@ import torch
 from ..payload import codec
 from . import record
 from .forward_types import output_structure
-from .proxies import RecEnvoy, RecTensor, RecTracer, RecTuple
+from .proxies import RecEnvoy, RecTensor, RecTuple
+from .rec_tracer import RecTracer
 from .record import Recorder, Unrecordable
 
 logger = logging.getLogger("vllm.nnsight_plugin")

@@ -1,7 +1,7 @@
 """The proxies a block sees while it is recorded (:mod:`.record`).
 
-``model`` and the envoys it brought become :class:`RecEnvoy`, ``tracer`` a
-:class:`RecTracer`; a module's value is a :class:`RecTuple` (a tuple output) or a
+``model`` and the envoys it brought become :class:`RecEnvoy` (``tracer`` is
+:mod:`.rec_tracer`'s); a module's value is a :class:`RecTuple` (a tuple output) or a
 :class:`RecTensor` (a tensor, or chosen rows of one). Each notes what the block does
 with it on the recording (reads, saves, in-place edits, step loops) and refuses,
 by calling the recording's ``fail``, whatever a plan cannot hold: looking at a
@@ -109,7 +109,8 @@ class _Value:
         return self._rec.save(self)
 
 
-def _refuse(what: str) -> Any:
+def refuse_as(what: str) -> Any:
+    """A method that ends the recording: the block does ``what`` with a value."""
     def refuse(self: _Value, *args: Any) -> NoReturn:
         self._rec.fail(what)
     return refuse
@@ -131,7 +132,7 @@ for _name, _what in {
     "__pow__": "computes with a module's value", "__contains__": "searches a module's value",
     "__iter__": "iterates over a module's rows",
 }.items():
-    setattr(_Value, _name, _refuse(_what))
+    setattr(_Value, _name, refuse_as(_what))
 
 
 class RecTuple(_Value):
@@ -347,62 +348,3 @@ class _Expr(_Value):
 
     def __init__(self, base: RecTensor, kind: str, operand: Any):
         self._rec, self.base, self.kind, self.operand = base._rec, base, kind, operand
-
-
-class _StepIndex:
-    """The step number of an open-ended loop: unknown while recording."""
-
-    __slots__ = ("_rec",)
-
-    def __init__(self, rec: Recorder):
-        self._rec = rec
-
-    def __getattr__(self, name: str) -> Any:
-        self._rec.fail("uses the step number of an open-ended step loop")
-
-
-for _name in ("__bool__", "__int__", "__index__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
-              "__add__", "__radd__", "__sub__", "__rsub__", "__mod__", "__mul__", "__format__", "__repr__"):
-    setattr(_StepIndex, _name, _refuse("uses the step number of an open-ended step loop"))
-_StepIndex.__hash__ = object.__hash__  # type: ignore[method-assign]
-
-
-class RecTracer:
-    """``tracer`` while the block is recorded: its step loops."""
-
-    __slots__ = ("_rec", "iter")
-
-    def __init__(self, rec: Recorder):
-        self._rec = rec
-        self.iter = _RecIter(rec)
-
-    def all(self) -> Iterator[Any]:
-        return self._rec.steps(None, None, 1)
-
-    def cache(self, modules: Any = None, device: Any = None, dtype: Any = None, detach: bool = True,
-              include_output: bool = True, include_inputs: bool = False, **_: Any) -> Any:
-        return self._rec.cache(modules, dtype, include_output, include_inputs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        self._rec.fail(f"uses tracer.{name}")
-
-
-class _RecIter:
-    __slots__ = ("_rec",)
-
-    def __init__(self, rec: Recorder):
-        self._rec = rec
-
-    def __getitem__(self, item: int | slice) -> Iterator[Any]:
-        if type(item) is int:
-            if item < 0:
-                raise ValueError("tracer.iter takes non-negative steps, e.g. tracer.iter[:3]")
-            return self._rec.steps(item, item + 1, 1)
-        if isinstance(item, slice):
-            start, stride = item.start or 0, item.step or 1
-            if start < 0 or stride < 1 or (item.stop is not None and item.stop < 0):
-                raise ValueError("tracer.iter takes non-negative steps, e.g. tracer.iter[:3]")
-            return self._rec.steps(start, item.stop, stride)
-        raise TypeError("tracer.iter takes an int or a slice")

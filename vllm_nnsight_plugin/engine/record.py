@@ -35,7 +35,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from .proxies import RecEnvoy, RecTensor, RecTuple, _Expr, _Loc, _StepIndex
+from .proxies import RecEnvoy, RecTensor, RecTuple, _Expr, _Loc
+from .rec_tracer import StepIndex
 
 RECORD_TIME_S = 2.0  # a block still running after this long runs as code (its own time limit)
 MAX_STEPS = 4096  # steps of a bounded loop a plan unrolls (and the spec's limit)
@@ -233,7 +234,7 @@ class Recorder:
                 # Python state that changes what it does from one step to the next)
                 marks = [(len(self.edits), len(self.trail))]
                 names = []
-                index = _StepIndex(self)
+                index = StepIndex(self)
                 for _ in range(2):
                     try:
                         yield index

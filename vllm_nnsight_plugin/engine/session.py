@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import greenlet
 import torch
 
+from . import host
 from .block_source import compile_block
 from .budget import BlockTimeout
 from .cache import ModuleCache
-from .host import host_copy
 from .rowlog import RowLog
 from .saved import copy_value, saved_containers
 from .tree import leaves, map_tensors
@@ -111,7 +111,7 @@ class RequestSession:
     prefill_reads: bool = False  # ...at the prompt only: those ship after the first step
     prompt_only: bool = False  # ...and nothing else: the session is over after that step
     last_step: int | None = None  # ...whose ops end at this step: over after it
-    replayable: bool = False  # ...of edits only, at every step, of whole rows (see batched.replayable)
+    replayable: bool = False  # ...of edits only, at every step, of whole rows (see payload.spec.replayable)
     edits: bool = True  # it may change activations (a batched spec of reads only does not)
     lowered: Any = None  # a code block run as its batched spec (lower.Lowered): maps errors to lines
     _cpu: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device tensor -> its CPU copy
@@ -340,11 +340,11 @@ class RequestSession:
 
     def off_host(self, value: Any) -> list[torch.Tensor]:
         """The device tensors of ``value`` that have no CPU copy yet (each once).
-        Notes whether ``value`` holds any device tensor at all (see :func:`to_host`)."""
+        Notes whether ``value`` holds any device tensor at all (see :func:`.host.to_host`)."""
         out: dict[int, torch.Tensor] = {}
         self._on_device = False
         for t in leaves(value):
-            if isinstance(t, torch.Tensor) and on_device(t):
+            if isinstance(t, torch.Tensor) and host.on_device(t):
                 self._on_device = True
                 if id(t) not in out:
                     hit = self._cpu.get(id(t))
@@ -356,8 +356,8 @@ class RequestSession:
         self._cpu[id(t)] = (t, cpu)
 
     def on_host(self, value: Any) -> Any:
-        """``value`` with every device tensor replaced by its CPU copy (see :func:`to_host`)."""
-        return map_tensors(value, lambda t: self._cpu[id(t)][1] if on_device(t) else t)
+        """``value`` with every device tensor replaced by its CPU copy (see :func:`.host.to_host`)."""
+        return map_tensors(value, lambda t: self._cpu[id(t)][1] if host.on_device(t) else t)
 
     def pending(self) -> dict[str, Any] | None:
         if self.wait is None or self.done or self.error is not None or self.batched:
@@ -367,39 +367,3 @@ class RequestSession:
             "in_iter": bool(self.iter_bounds),
             "open_ended": any(b is None for b in self.iter_bounds),
         }
-
-
-def on_device(t: torch.Tensor) -> bool:
-    return t.device.type != "cpu"
-
-
-HOST_CHUNK_BYTES = 256 << 20  # at most this much extra device memory for one step's copy
-
-
-def to_host(sessions: list[RequestSession]) -> None:
-    """Move the snapshots (``session.last``) of a step's sessions to the CPU with one
-    device-to-host copy per dtype for the whole step (in chunks of at most
-    ``HOST_CHUNK_BYTES``), not one per request. The copies are non-blocking
-    (:mod:`.host`): read the host values only after ``host.wait()``. A tensor
-    shipped before (a saved list re-sent as it grows) is not copied again."""
-    groups: dict[tuple, list[list[tuple[RequestSession, torch.Tensor]]]] = {}
-    filled: dict[tuple, int] = {}  # bytes in each group's last chunk
-    for session in sessions:
-        for t in session.off_host(session.last):
-            key, size = (t.dtype, t.device), t.numel() * t.element_size()
-            chunks = groups.setdefault(key, [[]])
-            if chunks[-1] and filled.get(key, 0) + size > HOST_CHUNK_BYTES:
-                chunks.append([])
-                filled[key] = 0
-            chunks[-1].append((session, t))
-            filled[key] = filled.get(key, 0) + size
-    for chunk in (c for chunks in groups.values() for c in chunks):
-        flat = host_copy(torch.cat([t.reshape(-1) for _, t in chunk])) if len(chunk) > 1 else None
-        offset = 0
-        for session, t in chunk:
-            cpu = flat[offset : offset + t.numel()].view(t.shape) if flat is not None else host_copy(t)
-            offset += t.numel()
-            session.adopt_host(t, cpu)
-    for session in sessions:
-        if session._on_device:  # (batched reads are on the host already: no walk)
-            session.last = session.on_host(session.last)
