@@ -16,7 +16,7 @@ alive, rounds of one rep each): the median over rounds of each round's ratio, fo
 pools the per-round ratios to stock of several interleaved runs of the same code (single
 rounds on the lent machines range +-0.3), with a bootstrap 95% interval of the median.
 
-    python3 benchmarks/gpu/table.py --user-way benchmarks/gpu/results/session14-user_way.json
+    python3 benchmarks/gpu/table.py --user-way benchmarks/gpu/results/2026-12-02b-user_way.json
 
 prints a ``user_way.py`` run's pairs the same way: per workload, the median ratio and
 its bootstrap interval.

@@ -182,6 +182,10 @@ def child(kind: str, memory: float) -> None:
                                                   use_tqdm=False)
 
         runs = {"plain": plain, **nnsight_runs(model)}
+    elif kind == "idle":  # the plugin loaded, no taps: what untraced traffic pays for the plugin's hooks alone
+        from vllm_nnsight_plugin import VLLM
+
+        runs = {"plain": plugin_runs(VLLM(headline.MODEL, dispatch=True, **engine))["plain"]}
     else:
         from vllm_nnsight_plugin import VLLM
 
@@ -211,7 +215,9 @@ def main() -> None:
     parser.add_argument("--memory", type=float, default=0.3)
     parser.add_argument("--engines", default="stock,stock2,plugin",
                         help="stock2: a second stock engine, to show how far two identical engines differ; "
-                             "nnsight: nnsight 0.8.1's VLLM with the same taps (remote.sh installs it)")
+                             "nnsight: nnsight 0.8.1's VLLM with the same taps (remote.sh installs it); "
+                             "idle: the plugin loaded without taps (its untraced traffic)")
+    parser.add_argument("--workloads", default="", help="only these workloads (default: every one)")
     parser.add_argument("--pairs", type=int, default=2, help="pairs of each workload per round (fresh prompts each)")
     parser.add_argument("--child")
     args = parser.parse_args()
@@ -228,7 +234,7 @@ def main() -> None:
     share = len(cores) // len(kinds)
     for n, kind in enumerate(kinds):
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING",
-                   VLLM_NNSIGHT_DISABLE="0" if kind == "plugin" else "1")
+                   VLLM_NNSIGHT_DISABLE="0" if kind in ("plugin", "idle") else "1")
         if kind == "nnsight":
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [NNSIGHT_SITE, env.get("PYTHONPATH")]))
         err = open(os.path.join(out_dir, f"user_way-{kind}.stderr"), "w")
@@ -250,7 +256,9 @@ def main() -> None:
         procs[kind] = (proc, ready["workloads"])
     rounds: list[dict[str, dict]] = []
     stock = procs["stock"][0]
-    measured = [(kind, name) for kind, (_, workloads) in procs.items() for name in workloads if kind != "stock"]
+    wanted = set(args.workloads.split(",")) if args.workloads else None
+    measured = [(kind, name) for kind, (_, workloads) in procs.items() for name in workloads
+                if kind != "stock" and (wanted is None or name in wanted)]
 
     def timed(proc: Any, name: str, seed: int) -> dict:
         proc.stdin.write(f"{name} {seed} {args.batches}\n")
