@@ -88,9 +88,9 @@ def _vllm_imports() -> list[tuple[str, int, str, str]]:
 
 
 def test_every_vllm_name_the_package_imports_exists():
-    """The names the boundary imports when it first needs them (and the client's public
-    ``LLM``/``SamplingParams``) resolve in the installed vLLM: an upgrade that moves one
-    fails here, with the file and line, not later in a worker."""
+    """The names the boundary imports when it first needs them resolve in the installed
+    vLLM: an upgrade that moves one fails here, with the file and line, not later in a
+    worker."""
     imports = _vllm_imports()
     assert len(imports) > 15 and any(f.startswith("boundary/") for f, *_ in imports)
     missing = []
@@ -103,6 +103,21 @@ def test_every_vllm_name_the_package_imports_exists():
         if not hasattr(module, name) and importlib.util.find_spec(f"{module_name}.{name}") is None:
             missing.append(f"{file}:{line} {module_name}.{name}")
     assert not missing, f"not in this vLLM: {missing}"
+
+
+def test_only_the_boundary_names_vllm():
+    """Every import of vLLM, at any depth, is in ``boundary/`` (the package's other
+    modules reach vLLM through it), and nothing else imports ``vllm`` whole."""
+    import vllm_nnsight_plugin
+
+    root = pathlib.Path(vllm_nnsight_plugin.__file__).parent
+    plain = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in node.names):
+                plain.append(f"{path.relative_to(root)}:{node.lineno}")
+    outside = [f"{f}:{line} {m}" for f, line, m, _ in _vllm_imports() if not f.startswith("boundary/")]
+    assert _vllm_imports() and not outside and not plain, (outside, plain)
 
 
 def test_attributes_read_with_a_default_exist():

@@ -19,6 +19,20 @@ async def engine_utility_async(engine: Any, method: str, *args: Any) -> Any:
     return await engine.engine_core.call_utility_async(method, *args)
 
 
+def make_llm(model: str, kwargs: dict[str, Any]) -> Any:
+    """vLLM's ``LLM`` for a model (its engine starts here)."""
+    from vllm import LLM
+
+    return LLM(model=model, **kwargs)
+
+
+def sampling_params(**kwargs: Any) -> Any:
+    """vLLM's ``SamplingParams`` (the client builds a request's from trace and invoke keywords)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(**kwargs)
+
+
 def make_async_engine(model: str, kwargs: dict[str, Any]) -> Any:
     """vLLM's ``AsyncLLM`` for a model, from ``vllm.LLM``-style keywords."""
     from vllm.engine.arg_utils import AsyncEngineArgs

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 
 def install() -> None:
-    from . import frontend, kv_blocks, patching, results, rpc, runner_v1, runner_v2, whole_prompts
+    from . import (
+        frontend,
+        kv_blocks,
+        patching,
+        results,
+        rpc,
+        runner_v1,
+        runner_v2,
+        server_routes,
+        server_streams,
+        whole_prompts,
+    )
     from .outputs import install_frames, install_saves_property
 
     patching.when_class(patching.RUNNER_V1, runner_v1.install)
@@ -21,7 +32,8 @@ def install() -> None:
     patching.when_class(patching.ENGINE_CORE, rpc.install_engine_core)
     patching.when_class(patching.REQUEST_OUTPUT, install_saves_property)
     patching.when_class(patching.MSGPACK_DECODER, install_frames)
-
-    from .. import serve
-
-    serve.install()
+    patching.when_class(patching.SERVING_COMPLETION, server_streams.install_completion)
+    patching.when_class(patching.SERVING_CHAT, server_streams.install_chat)
+    patching.when_class(patching.OUTPUT_PROCESSOR, server_streams.install_output_processor)
+    for module_name, _ in patching.APP_ROUTE_HOOKS:
+        patching.when_imported(module_name, server_routes.install)

@@ -6,7 +6,7 @@ on the request's final ``EngineCoreOutput`` as ``kv_transfer_params["nnsight"]``
 (the one free-form per-request field that reaches ``RequestOutput`` and the
 OpenAI JSON). The worker has already encoded the saves (tensor data as raw
 bytes, which msgpack carries as they are): this hot loop only forwards them; the
-OpenAI server makes them base64 in its own process (``serve.handlers``). A block
+OpenAI server makes them base64 in its own process (``server_streams``). A block
 that failed or called ``tracer.stop()`` stops its request in the same step; other
 requests are untouched.
 """

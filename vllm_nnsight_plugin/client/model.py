@@ -102,9 +102,9 @@ class VLLM(Envoy):
                 atexit.register(_shutdown_at_exit, weakref.ref(self))
                 _freeze_startup_heap()
                 return self  # module paths are checked in the worker (no blocking RPC here)
-            from vllm import LLM
+            from ..boundary.entrypoints import make_llm
 
-            llm = LLM(model=self.model_path, **self.llm_kwargs)
+            llm = make_llm(self.model_path, self.llm_kwargs)
             object.__setattr__(self, "_llm", llm)
             try:
                 tree = llm.collective_rpc("nnsight_module_tree")[-1]  # (the last pipeline stage's)
@@ -185,11 +185,11 @@ class VLLM(Envoy):
             if len(prompts) > 1:
                 raise ValueError("with model.generate(...) takes one prompt; use invokes for more")
             return Tracer(self, prompts[0] if prompts else _NO_PROMPT, **sampling)
-        from vllm import SamplingParams
+        from ..boundary.entrypoints import sampling_params
 
         batch = prompts[0] if len(prompts) == 1 and isinstance(prompts[0], list) and prompts[0] \
             and not isinstance(prompts[0][0], int) else list(prompts)
-        params = SamplingParams(**sampling_kwargs(sampling, {}, None))
+        params = sampling_params(**sampling_kwargs(sampling, {}, None))
         outputs = self._engine().generate([to_prompt(p) for p in batch], params, use_tqdm=False)
         for output in outputs:
             attach_results(output)
@@ -262,8 +262,7 @@ class VLLM(Envoy):
         )
 
     def _submit_async(self, invokes: list[Invoke], trace_sampling: dict[str, Any], stream_saves: bool) -> Any:
-        from vllm import SamplingParams
-
+        from ..boundary.entrypoints import sampling_params
         from ..payload.codec import STREAM_KEY
         from .async_backend import AsyncBackend
 
@@ -277,14 +276,14 @@ class VLLM(Envoy):
             extra[codec.PAYLOAD_KEY] = self._payload(inv)
         if stream_saves:
             extra[STREAM_KEY] = 1
-        params = SamplingParams(**kw, extra_args=extra)
+        params = sampling_params(**kw, extra_args=extra)
         return AsyncBackend(self._engine(), to_prompt(inv.prompt), params, attach_results)
 
     def _run_invokes(self, invokes: list[Invoke], trace_sampling: dict[str, Any],
                      serve: tuple[str, str | None] | None = None) -> list[Any]:
         if serve is not None:
             return self._run_served(invokes, trace_sampling, *serve)
-        from vllm import SamplingParams
+        from ..boundary.entrypoints import sampling_params
 
         self.dispatch()
         self._check_paths(invokes, self._tree)
@@ -295,7 +294,7 @@ class VLLM(Envoy):
             payload = self._payload(inv)
             if payload is not None:
                 extra[codec.PAYLOAD_KEY] = payload
-            params.append(SamplingParams(**kw, extra_args=extra or None))
+            params.append(sampling_params(**kw, extra_args=extra or None))
             prompts.append(to_prompt(inv.prompt))
         outputs = self._engine().generate(prompts, params, use_tqdm=False)
         for output in outputs:

@@ -18,12 +18,12 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..boundary import engine_core, entrypoints, patching
-from ..boundary.frontend import check_payload, ensure_module_table
-from ..boundary.outputs import raw_results
 from ..payload import codec
 from ..payload import values as tagged
 from ..payload.codec import LARGE_PAYLOAD
+from . import engine_core, entrypoints, patching
+from .frontend import check_payload, ensure_module_table
+from .outputs import raw_results
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 

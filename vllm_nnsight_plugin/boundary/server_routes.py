@@ -16,9 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..boundary import configuration, entrypoints, patching
 from ..payload.codec import LARGE_PAYLOAD
-from ..payload.tapset import from_settings
+from . import configuration, entrypoints, patching
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 
@@ -36,7 +35,7 @@ def add_routes(app: Any) -> None:
         trees = await engine.collective_rpc("nnsight_module_tree")
         config = getattr(engine, "vllm_config", None)
         compiled = config is not None and not configuration.runs_eager(config)
-        taps = from_settings(configuration.additional_config(config)).patterns if compiled else None
+        taps = configuration.settings(config).taps.patterns if compiled else None
         # "taps": null on an eager engine (every module reachable), else the tapped globs
         return JSONResponse({"tree": trees[-1], "taps": taps})  # (the last pipeline stage's)
 
