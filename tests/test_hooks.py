@@ -26,6 +26,9 @@ def nnsight_arch_adapter(architecture):
     if architecture == "LlamaForCausalLM":
         from vllm_nnsight_plugin.builtin_hooks import ArchAdapter
         return ArchAdapter("model.layers", True, "site.norm", "lm_head")  # (the builtin says model.norm)
+    if architecture == "SiteForCausalLM":
+        from vllm_nnsight_plugin.builtin_hooks import ArchAdapter
+        return ArchAdapter("model.layers", False, "model.site_norm", "lm_head")
     return None
 '''
 
@@ -37,9 +40,28 @@ from vllm_nnsight_plugin import VLLM
 from vllm_nnsight_plugin.hooks import arch_adapter, refusal
 
 
+def stage_zero_absent():
+    """The engine's pipeline-stage placement of a model whose final norm is registered
+    before its layers: the third party's adapter puts it on the last stage."""
+    import torch
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from vllm_nnsight_plugin.boundary.parallel import absent_modules
+
+    class SiteForCausalLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.site_norm = torch.nn.LayerNorm(2)
+            self.model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), PPMissingLayer()])
+            self.lm_head = PPMissingLayer()
+
+    return absent_modules(SiteForCausalLM(), position=(True, False))
+
+
 def main():
     found = {"refusal": refusal("code", "python"), "spec": refusal("spec", "http"),
-             "adapter": arch_adapter("LlamaForCausalLM").final_norm}
+             "adapter": arch_adapter("LlamaForCausalLM").final_norm, "stage_zero_absent": stage_zero_absent()}
     model = VLLM(sys.argv[1], dispatch=True, dtype="float32", max_model_len=256)
     try:
         with model.trace("Hello", max_tokens=1):
@@ -78,4 +100,5 @@ def test_a_third_party_hookimpl_found_by_entry_point_decides_in_the_front_end(tm
     assert found["refusal"] == "this site runs JSON specs only (site policy)"
     assert found["spec"] is None
     assert found["adapter"] == "site.norm"  # (the third party's adapter is asked before the builtin table)
+    assert "model.site_norm" in found["stage_zero_absent"]  # (the engine asks it too: the last stage runs it)
     assert "site policy" in found["traced"]  # (a code block of an in-process caller, refused up front)

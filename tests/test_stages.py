@@ -189,6 +189,37 @@ def test_a_module_every_stage_builds_belongs_to_the_stage_that_runs_it():
     assert stage_absent(list(one.named_modules()), lambda m: False, True, True) == []  # (no pipeline)
 
 
+def test_the_architecture_adapter_places_the_model_end_on_the_last_stage():
+    """A final norm registered before the split layer list (as OPT's decoder does) runs
+    on the last stage: the architecture's adapter names it, and the engine asks the
+    adapter (``parallel.absent_modules``) before the registration-order rule."""
+    import torch
+    from vllm.model_executor.models.utils import PPMissingLayer as Missing
+
+    from vllm_nnsight_plugin.boundary import parallel
+
+    class OPTForCausalLM(torch.nn.Module):  # (vLLM's class name is the architecture)
+        def __init__(self, first):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.decoder = torch.nn.Module()
+            self.model.decoder.embed_tokens = torch.nn.Embedding(4, 2)
+            self.model.decoder.final_layer_norm = torch.nn.LayerNorm(2)
+            blocks = [torch.nn.Linear(2, 2), Missing()] if first else [Missing(), torch.nn.Linear(2, 2)]
+            self.model.decoder.layers = torch.nn.ModuleList(blocks)
+            self.lm_head = Missing() if first else torch.nn.Linear(2, 4)
+
+    def by_order(first):
+        named = list(OPTForCausalLM(first).named_modules())
+        return parallel.stage_absent(named, lambda m: isinstance(m, Missing), first, not first)
+
+    assert "model.decoder.final_layer_norm" not in by_order(True)  # (the order alone: the wrong stage)
+    first = parallel.absent_modules(OPTForCausalLM(True), position=(True, False))
+    last = parallel.absent_modules(OPTForCausalLM(False), position=(False, True))
+    assert "model.decoder.final_layer_norm" in first and "model.decoder.final_layer_norm" not in last
+    assert "model.decoder.embed_tokens" in last and "model.decoder.embed_tokens" not in first
+
+
 def test_two_stages_admitting_the_same_requests_agree_where_they_must():
     """The wiring from admission to the last stage's check, on two toy stages (stage 0
     holds layer 0, the last stage layer 1; each has a childless placeholder for the

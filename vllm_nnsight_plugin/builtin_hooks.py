@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from .hookspecs import hookimpl
-
-ALLOW_CODE_ENV = "VLLM_NNSIGHT_ALLOW_CODE"
+from .payload.settings import ALLOW_CODE_ENV, settings_of
 
 
 @hookimpl(trylast=True)
 def nnsight_payload_policy(kind: str, origin: str, settings: dict) -> str | None:
     """Code payloads over HTTP are remote code execution: only with operator opt-in."""
-    allowed = os.environ.get(ALLOW_CODE_ENV) == "1" or settings.get("allow_code") is True
-    if kind == "code" and origin == "http" and not allowed:
+    if kind == "code" and origin == "http" and not settings_of(settings).allow_code:
         return (
             "code payloads (pickled Python) are refused by this server: they execute "
             f"arbitrary code. The operator can allow them with {ALLOW_CODE_ENV}=1 or "
@@ -49,6 +46,7 @@ _ADAPTERS = {
     "Qwen2ForCausalLM": _LLAMA_LIKE,
     "Qwen3ForCausalLM": _LLAMA_LIKE,
     "GPT2LMHeadModel": ArchAdapter("transformer.h", False, "transformer.ln_f", "lm_head"),
+    "OPTForCausalLM": ArchAdapter("model.decoder.layers", False, "model.decoder.final_layer_norm", "lm_head"),
 }
 
 

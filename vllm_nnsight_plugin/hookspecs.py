@@ -37,7 +37,9 @@ def nnsight_arch_adapter(architecture: str) -> Any:
     An adapter (``builtin_hooks.ArchAdapter``) knows an architecture's module quirks:
     where its decoder layers are, how a layer's vLLM output maps to the Hugging Face
     residual stream (a Llama layer returns ``(hidden, residual)``; HF's hidden state
-    is their sum), and its final norm and unembedding. The demo and the examples ask
-    for one (``hooks.arch_adapter``); a third party's answer comes before the builtin
-    table. Return None for architectures you do not know.
+    is their sum), and its final norm and unembedding. The engine asks for one in each
+    worker: under pipeline parallel, the final norm and unembedding run on the last
+    stage whatever their registration order (``boundary.parallel.absent_modules``). The
+    demo and the examples ask for one too (``hooks.arch_adapter``). A third party's
+    answer comes before the builtin table. Return None for architectures you do not know.
     """

@@ -65,22 +65,31 @@ def pipeline_position() -> tuple[bool, bool]:
     return bool(group.is_first_rank), bool(group.is_last_rank)
 
 
-def absent_modules(model: Any) -> list[str]:
-    """Paths of the modules another pipeline stage runs (see :func:`stage_absent`)."""
+def absent_modules(model: Any, position: tuple[bool, bool] | None = None) -> list[str]:
+    """Paths of the modules another pipeline stage runs (see :func:`stage_absent`), at
+    ``position`` (first, last; None: this worker's). The architecture's adapter
+    (``hooks.arch_adapter``, third parties first) names the modules that run at the
+    model's end, whatever their registration order."""
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    first, last = pipeline_position()
-    return stage_absent(list(model.named_modules()), lambda m: isinstance(m, PPMissingLayer), first, last)
+    from ..hooks import arch_adapter
+
+    first, last = pipeline_position() if position is None else position
+    adapter = arch_adapter(type(model).__name__)
+    at_end = (adapter.final_norm, adapter.unembed) if adapter is not None else ()
+    return stage_absent(list(model.named_modules()), lambda m: isinstance(m, PPMissingLayer), first, last, at_end)
 
 
-def stage_absent(named: list[tuple[str, Any]], missing: Callable[[Any], bool], first: bool, last: bool) -> list[str]:
+def stage_absent(named: list[tuple[str, Any]], missing: Callable[[Any], bool], first: bool, last: bool,
+                 at_end: tuple[str, ...] = ()) -> list[str]:
     """The modules of ``named`` (``model.named_modules()``, in registration order) that
     another pipeline stage runs: those vLLM left ``missing`` (a placeholder), and the
     ones it builds on every stage but runs on one (GPT-2's ``wte``/``wpe``/``ln_f``, a
-    tied input embedding). Those belong to the first stage when registered before the
-    split layer list, else to the last (a module registered on the other side of the
-    list from where it runs is then traced on a stage that never runs it: its ops fail
-    as not reached, loudly)."""
+    tied input embedding). Those in ``at_end`` (and under them) belong to the last
+    stage; the others to the first stage when registered before the split layer list,
+    else to the last (a module registered on the other side of the list from where it
+    runs, and not named in ``at_end``, is then traced on a stage that never runs it: its
+    ops fail as not reached, loudly)."""
     import torch
 
     out = [path for path, module in named if missing(module)]
@@ -95,7 +104,8 @@ def stage_absent(named: list[tuple[str, Any]], missing: Callable[[Any], bool], f
         if path == "" or split.startswith(path + ".") or path == split or path.startswith(split + ".") \
                 or any(path.startswith(a + ".") or path == a for a in out):
             continue  # (the list, its layers, the containers around it, placeholders and what is under them)
-        if (before and not first) or (not before and not last):
+        ends = any(path == e or path.startswith(e + ".") for e in at_end)
+        if (before and not ends and not first) or ((ends or not before) and not last):
             out.append(path)
     return out
 
