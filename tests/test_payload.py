@@ -276,3 +276,30 @@ def test_invokes_of_one_body_and_values_encode_once_and_edits_are_seen():
     assert codec.load_code(codec.parse_envelope(changed), lambda ref: None).values["v"].tolist() == [2.0] * 4
     assert codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": torch.ones(4), "n": 2})) != changed
     assert codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v, "n": 3})) != changed
+
+
+def test_operator_settings_parse_in_one_place(monkeypatch):
+    """--additional-config's nnsight section, each key falling back to its environment
+    variable (the section wins); a number that is not one names its key."""
+    from vllm_nnsight_plugin.payload.settings import settings_of
+
+    for env in ("VLLM_NNSIGHT_MAX_SAVED_BYTES", "VLLM_NNSIGHT_MAX_SAVES", "VLLM_NNSIGHT_CODE_TIME_LIMIT",
+                "VLLM_NNSIGHT_ALLOW_CODE"):
+        monkeypatch.delenv(env, raising=False)
+    plain = settings_of(None)
+    assert (plain.max_saved_bytes, plain.max_saves, plain.code_time_limit_s) == (1 << 30, 100_000, 30.0)
+    assert plain.lanes and not plain.allow_code and not plain.taps
+    got = settings_of({"max_saves": 7, "code_time_limit_s": 0, "lanes": False, "taps": "model.layers.*.output"})
+    assert (got.max_saves, got.code_time_limit_s, got.lanes) == (7, 0.0, False)
+    assert got.taps.patterns == ["model.layers.*.output"]
+    monkeypatch.setenv("VLLM_NNSIGHT_MAX_SAVES", "9")
+    monkeypatch.setenv("VLLM_NNSIGHT_ALLOW_CODE", "1")
+    assert settings_of({}).max_saves == 9 and settings_of({}).allow_code  # (the cache sees the environment)
+    assert settings_of({"max_saves": 3}).max_saves == 3
+    monkeypatch.setenv("VLLM_NNSIGHT_ALLOW_CODE", "0")
+    assert not settings_of({"allow_code": "yes"}).allow_code and settings_of({"allow_code": True}).allow_code
+    with pytest.raises(ValueError, match="nnsight.max_saved_bytes: expected a number"):
+        settings_of({"max_saved_bytes": "lots"})
+    monkeypatch.setenv("VLLM_NNSIGHT_CODE_TIME_LIMIT", "soon")
+    with pytest.raises(ValueError, match="VLLM_NNSIGHT_CODE_TIME_LIMIT: expected a number"):
+        settings_of({})

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..payload.settings import Settings, settings_of
+
 
 def runs_eager(vllm_config: Any) -> bool:
     """True when Python hooks run on every step (no torch.compile, no CUDA graphs)."""
@@ -81,6 +83,11 @@ def model_width(vllm_config: Any) -> int | None:
         return max(mc.get_vocab_size(), 4 * hidden, 2 * int(inter), (heads + 2 * kv_heads) * mc.get_head_size())
     except Exception:  # noqa: BLE001 - a config without these: no bound
         return None
+
+
+def settings(vllm_config: Any) -> Settings:
+    """The plugin's settings for this engine (parsed once, :mod:`..payload.settings`)."""
+    return settings_of(additional_config(vllm_config))
 
 
 def additional_config(vllm_config: Any) -> dict:

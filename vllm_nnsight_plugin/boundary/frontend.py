@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..engine import edits, guards, taps
+from ..engine import edits, guards
 from ..payload import codec, spec
 from . import configuration, entrypoints, parallel, patching
 from .whole_prompts import SALT_PREFIX, SHARED_SPEC_SALT
@@ -89,7 +89,7 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
         guards.refuse_absent(env, table.absent, carried=parallel.stages_carry(vllm_config))
     if vllm_config is None or configuration.runs_eager(vllm_config):
         return env
-    tapped = taps.from_settings(configuration.additional_config(vllm_config))
+    tapped = configuration.settings(vllm_config).taps
     if tapped and env["kind"] == "spec":
         for op in env["ops"]:
             io = op.get("io", "output")

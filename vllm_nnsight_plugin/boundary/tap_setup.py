@@ -9,7 +9,6 @@ import logging
 from typing import Any
 
 from ..engine import lanes, taps
-from ..payload.tapset import from_settings
 from . import configuration, runners
 
 SITES = "_nnsight_tap_sites"  # runner attribute: the tapped (path, kind) pairs of its model
@@ -21,8 +20,8 @@ def on_model_loaded(runner: Any) -> None:
     the tap op into the model and make vLLM split its graph there."""
     log = logging.getLogger("vllm.nnsight_plugin")
     config = runner.vllm_config
-    settings = configuration.additional_config(config)
-    tapset = from_settings(settings)
+    settings = configuration.settings(config)
+    tapset = settings.taps
     if not tapset or configuration.runs_eager(config):
         return
     model = runners.runner_model(runner)
@@ -33,7 +32,7 @@ def on_model_loaded(runner: Any) -> None:
     # how a step whose blocks may touch a tap must run: piecewise graphs (the op runs
     # between pieces) where the graph is split at it, else without graphs
     runner.__dict__[_MODE] = "piecewise" if split else "eager"
-    if settings.get("lanes", True):
+    if settings.lanes:
         lanes.enable(configuration.max_graph_batch(config))
     sites = taps.install(model, tapset)
     if not sites:

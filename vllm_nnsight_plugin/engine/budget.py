@@ -37,13 +37,6 @@ class BlockTimeout(BaseException):
     ``except Exception`` does not swallow it)."""
 
 
-def time_limit(settings: dict[str, Any]) -> float:
-    """``--additional-config '{"nnsight": {"code_time_limit_s": S}}'`` or
-    ``VLLM_NNSIGHT_CODE_TIME_LIMIT``; 0 switches the limit off."""
-    env = os.environ.get("VLLM_NNSIGHT_CODE_TIME_LIMIT")
-    return float(settings.get("code_time_limit_s", env if env is not None else DEFAULT_TIME_LIMIT_S))
-
-
 class Watchdog:
     """Times the block that is running and interrupts it past its budget."""
 

@@ -20,7 +20,7 @@ from . import batched, budget, cache, finite_logits, host, lanes, lower, shards,
 from .admission import Admission
 from .envoy import WorkerEnvoy, WorkerTracer
 from .finite_logits import GuardedRows
-from .limits import limits, measure
+from .limits import measure
 from .logits_serving import LogitsServing
 from .requests import QuietBatch, TracedRequests
 from .rows import StepLayout
@@ -36,11 +36,10 @@ class Interleaver(Admission, ValueServing, LogitsServing):
     def __init__(self, model: torch.nn.Module, vllm_config: Any, tap_sites: Any = ()):
         self.model = model
         self.eager = configuration.runs_eager(vllm_config)
-        settings = configuration.additional_config(vllm_config)
-        self.limits = limits(settings)
-        self.watchdog = budget.Watchdog(budget.time_limit(settings))
+        self.settings = settings = configuration.settings(vllm_config)
+        self.watchdog = budget.Watchdog(settings.code_time_limit_s)
         self.trimmer = budget.Trimmer()
-        self.taps = taps.from_settings(settings)
+        self.taps = settings.taps
         # (path, kind) pairs the tap op serves in this (compiled) model (taps.on_model_loaded)
         self.tapped: set[tuple[str, str]] = set(tap_sites)
         self._tap_keys: dict[str, tuple[tuple, str]] = {}
@@ -314,11 +313,11 @@ class Interleaver(Admission, ValueServing, LogitsServing):
             snap = session.snapshot()
             if snap is not None:
                 count, size = measure(snap)
-                if count > self.limits["max_saves"] or size > self.limits["max_saved_bytes"]:
+                if count > self.settings.max_saves or size > self.settings.max_saved_bytes:
                     self._unwait(session)
                     session.fail(
                         f"the block saved {count} values / {size} bytes, over this server's limits "
-                        f"({self.limits['max_saves']} values, {self.limits['max_saved_bytes']} bytes): "
+                        f"({self.settings.max_saves} values, {self.settings.max_saved_bytes} bytes): "
                         "save less (fewer steps or positions)"
                     )
                     snap = {}

@@ -10,20 +10,6 @@ from .cache import ModuleCache
 from .rowlog import RowLog
 from .tree import leaves
 
-DEFAULT_LIMITS = {"max_saved_bytes": 1 << 30, "max_saves": 100_000}
-
-
-def limits(settings: dict[str, Any]) -> dict[str, int]:
-    """Per-request result limits: ``--additional-config '{"nnsight": {"max_saved_bytes": N,
-    "max_saves": N}}'`` or ``VLLM_NNSIGHT_MAX_SAVED_BYTES`` / ``VLLM_NNSIGHT_MAX_SAVES``."""
-    import os
-
-    out = {}
-    for key, default in DEFAULT_LIMITS.items():
-        env = os.environ.get(f"VLLM_NNSIGHT_{key.upper()}")
-        out[key] = int(settings.get(key, env if env is not None else default))
-    return out
-
 
 def measure(value: Any) -> tuple[int, int]:
     """(number of leaf values, tensor bytes) of a saved structure."""
