@@ -29,17 +29,6 @@ def test_a_value_that_is_not_the_annotated_structure_is_refused_naming_the_fix()
     assert plan_ops._code_fits(op, "(TT") and not plan_ops._code_fits(op, "T") and not plan_ops._code_fits(op, "(TN")
 
 
-def test_the_per_request_switch_reads_as_the_openai_server_passes_it():
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-    from vllm_nnsight_plugin.engine.lower import wanted as lowering_wanted
-
-    xargs = CompletionRequest(model="m", prompt="x", vllm_xargs={"nnsight_lower": False}).vllm_xargs
-    assert not lowering_wanted(xargs["nnsight_lower"])  # (pydantic made it 0)
-    assert not any(lowering_wanted(v) for v in (False, 0, "false", "0"))
-    assert all(lowering_wanted(v) for v in (True, 1, "true"))
-
-
 # ------------------------------------------------------------------ on the engine
 
 PROMPTS = ["The capital of Japan is", "Hello world!", "One two three four", "The quick brown fox"]

@@ -618,6 +618,20 @@ def test_sse_chunks_carry_each_steps_saves(spec_server, llama_path, hf_llama):
             assert_close(entry["values"], ref.topk(2).values)
 
 
+def test_a_stream_flag_sent_as_a_false_string_does_not_stream(spec_server):
+    """``nnsight_stream`` read as a flag (payload/request_args.py): "false" leaves the
+    saves on the finish chunk only; a value that is not true or false is a 400."""
+    spec = _spec([{"op": "logits_topk", "name": "top", "k": 2, "steps": "all"}])
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 3, "ignore_eos": True, "temperature": 0.0}
+    for off in ("false", "0", 0):
+        chunks = spec_server.stream("/v1/completions", {**body, "vllm_xargs": {"nnsight": spec, "nnsight_stream": off}})
+        carried = [c["kv_transfer_params"]["nnsight"] for c in chunks if c.get("kv_transfer_params")]
+        assert len(carried) == 1 and carried[0]["final"] is True and "step" not in carried[0], (off, carried)
+    bad = {**body, "vllm_xargs": {"nnsight": spec, "nnsight_stream": "yes"}}
+    status, err = spec_server.post("/v1/completions", bad)
+    assert status == 400 and "nnsight_stream" in err["error"]["message"], err
+
+
 def test_spec_input_read_zero_and_set_at_positions(spec_server, hf_llama):
     w = torch.linspace(1, -1, 128)
     spec = _spec([

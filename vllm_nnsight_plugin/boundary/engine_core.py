@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..payload.codec import STREAM_KEY
+from ..payload import request_args
+from ..payload.errors import PayloadError
 
 
 def stop_request(request: Any, reason: str) -> None:
@@ -18,8 +19,10 @@ def stop_request(request: Any, reason: str) -> None:
 
 def streams_saves(request: Any) -> bool:
     params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None) or {}
-    return bool(extra.get(STREAM_KEY))
+    try:
+        return request_args.parse(getattr(params, "extra_args", None)).stream
+    except PayloadError:  # (refused by the front end; the worker fails such a request at admission)
+        return False
 
 
 def has_stop_strings(request: Any) -> bool:

@@ -1,7 +1,8 @@
 """Front-end checks (the process that accepts requests: ``LLM`` or the API server).
 
 Every payload is validated here, before it reaches the engine: structure, size,
-the operator's policy (code payloads over HTTP need an opt-in), and ``n == 1``.
+the operator's policy (code payloads over HTTP need an opt-in), and ``n == 1``; so
+are the request's other keys (payload.request_args: a flag that is not true or false).
 A traced request also gets a prefix-cache salt, so it neither reads KV computed
 without its intervention nor leaves edited KV for anyone else: its own, or, for an
 edit-only batched spec, one shared by every request with that same spec.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..engine import edits, guards
-from ..payload import codec, spec
+from ..payload import codec, request_args, spec
 from . import configuration, entrypoints, parallel, patching
 from .whole_prompts import SALT_PREFIX, SHARED_SPEC_SALT
 
@@ -128,11 +129,11 @@ def _spec_salt(raw: str | bytes) -> str:
 
 def _process_inputs(original: Callable) -> Callable:
     def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        extra = entrypoints.sampling_extra_args(params)
-        raw = extra.get(codec.PAYLOAD_KEY) if extra else None
+        asked = request_args.parse(entrypoints.sampling_extra_args(params))  # (a bad value: refused here)
+        raw = asked.payload
         env = check_payload(raw, params, getattr(self, "vllm_config", None)) if raw is not None else None
         if edits.INSTALLED:
-            edits.check_selection((extra or {}).get(codec.EDITS_KEY))
+            edits.check_selection(asked.edits)
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None or edits.INSTALLED:
             entrypoints.salt_request(request, cache_salt(raw, env))

@@ -1,8 +1,9 @@
 """Wraps of vLLM's OpenAI handlers for requests that carry a payload.
 
 - A bad payload (malformed, too large, code without the operator's opt-in, a
-  module edit on a compiled engine) is answered with HTTP 400 naming the
-  problem, before anything reaches the engine.
+  module edit on a compiled engine), a flag that is not true or false, or an
+  unknown edit name is answered with HTTP 400 naming the problem, before
+  anything reaches the engine.
 - In a stream, the results go into the chunk that carries ``finish_reason`` as
   ``kv_transfer_params`` (the same field as in the non-stream response).
 - Results arrive from the engine core with raw tensor bytes; they become
@@ -18,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..payload import codec
+from ..payload import codec, request_args
 from ..payload import values as tagged
 from ..payload.codec import LARGE_PAYLOAD
 from . import engine_core, entrypoints, patching
@@ -28,19 +29,25 @@ from .outputs import raw_results
 logger = logging.getLogger("vllm.nnsight_plugin")
 
 
+def _xargs(request: Any) -> dict[str, Any] | None:
+    return getattr(request, "vllm_xargs", None)
+
+
 def _payload(request: Any) -> Any:
-    xargs = getattr(request, "vllm_xargs", None) or {}
-    return xargs.get(codec.PAYLOAD_KEY)
+    xargs = _xargs(request)
+    return xargs.get(codec.PAYLOAD_KEY) if xargs else None
 
 
-def _reject(serving: Any, request: Any, raw: Any) -> Any:
-    """An ErrorResponse (HTTP 400) when the payload or edit selection is refused, else None."""
+def _reject(serving: Any, request: Any) -> Any:
+    """An ErrorResponse (HTTP 400) when the payload, a flag or the edit selection is
+    refused, else None."""
     from ..engine import edits
 
     try:
-        names = (getattr(request, "vllm_xargs", None) or {}).get(codec.EDITS_KEY)
-        if names is not None:
-            edits.check_selection(names)
+        args = request_args.parse(_xargs(request))
+        if args.edits is not None:
+            edits.check_selection(args.edits)
+        raw = args.payload
         if raw is None:
             return None
         prompt = getattr(request, "prompt", None)
@@ -95,20 +102,19 @@ async def _inject(chunks: AsyncIterator[str], results: dict[int, Any], prompt_of
 
 
 def _every_step(request: Any) -> bool:
-    xargs = getattr(request, "vllm_xargs", None) or {}
-    return bool(xargs.get(codec.STREAM_KEY))
+    return request_args.parse(_xargs(request)).stream  # (_reject checked it)
 
 
 def _create(original: Callable) -> Callable:
     async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        raw = _payload(request)
-        if raw is not None or codec.EDITS_KEY in (getattr(request, "vllm_xargs", None) or {}):
+        if request_args.mentioned(_xargs(request)):
+            raw = _payload(request)
             if raw is not None:
                 await ensure_module_table(getattr(self, "engine_client", None))
             if isinstance(raw, str) and len(raw) > LARGE_PAYLOAD:  # a thread: the event loop may run
-                error = await asyncio.to_thread(_reject, self, request, raw)
+                error = await asyncio.to_thread(_reject, self, request)
             else:
-                error = _reject(self, request, raw)
+                error = _reject(self, request)
             if error is not None:
                 return error
         return await original(self, request, *args, **kwargs)

@@ -8,7 +8,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ..payload import codec, spec
+from ..payload import codec, request_args, spec
 from . import cache, guards, lower, stages
 from .envoy import WorkerEnvoy
 from .session import RequestSession, Wait
@@ -25,19 +25,23 @@ class Admission:
             return
         if self.stages is not None and not self.stages.last and not self.stages.carries:
             return  # (plans reach the last stage's modules only: see StageTransport)
-        extra = extra_args or {}
+        try:
+            args, refused = request_args.parse(extra_args), None
+        except codec.PayloadError as exc:  # (the front end refuses these: this one came round it)
+            args, refused = request_args.NONE, RequestSession(req_id, self)
+            refused.fail(f"bad request: {exc}")
         # a block whose saves stream per step binds its names as it runs: never lowered
-        kept_code = "nnsight_lower is off" if not lower.wanted(extra.get(codec.LOWER_KEY, True)) else \
-            "its saves stream per step" if extra.get(codec.STREAM_KEY) else None  # why blocks stay code
-        blocks: list[RequestSession] = []
+        kept_code = "nnsight_lower is off" if not args.lower else \
+            "its saves stream per step" if args.stream else None  # why blocks stay code
+        blocks: list[RequestSession] = [] if refused is None else [refused]
         if self.stages is not None:
             self.stages.reaching.clear()  # (this request's blocks only: see StageTransport.note)
         max_tokens = getattr(params, "max_tokens", None)  # (plans' step ranges are read against it)
-        for eid, (name, env) in self._selected_edits(extra.get(codec.EDITS_KEY)):
+        for eid, (name, env) in self._selected_edits(args.edits) if refused is None else ():
             blocks.append(self._session(req_id, env, label=f"edit {name or eid}", index=len(blocks),
                                         batchable=all(b.batched for b in blocks), kept_code=kept_code,
                                         max_tokens=max_tokens))
-        raw = extra.get(codec.PAYLOAD_KEY)
+        raw = args.payload
         if raw is not None:
             blocks.append(self._session(req_id, raw, index=len(blocks), batchable=all(b.batched for b in blocks),
                                         kept_code=kept_code, max_tokens=max_tokens))
@@ -53,19 +57,18 @@ class Admission:
         if blocks:
             self._epoch += 1
             self.requests.admitted(req_id, blocks, params, every_step=bool(
-                extra.get(codec.STREAM_KEY) or getattr(params, "stop", None) or params is None))
+                args.stream or getattr(params, "stop", None) or params is None))
             # how each block runs, reported once on the request's output (RequestOutput.ran_as)
             self.results.setdefault(req_id, {})["ran_as"] = "; ".join(b.ran_as for b in blocks)
             if any(b.error for b in blocks):
                 self._record(req_id)
 
 
-    def _selected_edits(self, names: Any) -> list[tuple[str, tuple[str | None, dict[str, Any]]]]:
+    def _selected_edits(self, names: tuple[str, ...] | None) -> list[tuple[str, tuple[str | None, dict[str, Any]]]]:
         """A request naming edits runs those plus every unnamed one; naming none runs all."""
         if names is None:
             return list(self.edits.items())
-        wanted = {names} if isinstance(names, str) else set(names)
-        return [(eid, e) for eid, e in self.edits.items() if e[0] is None or e[0] in wanted]
+        return [(eid, e) for eid, e in self.edits.items() if e[0] is None or e[0] in names]
 
 
     def _session(self, req_id: str, raw: Any, label: str = "", index: int = 0, batchable: bool = True,

@@ -9,8 +9,6 @@ even "the same edit" produce different KV for a shared prefix).
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..payload.codec import PayloadError
 
 INSTALLED: dict[str, str | None] = {}  # edit id -> name (None: unnamed)
@@ -25,12 +23,12 @@ def remove(edit_ids: list[str] | None = None) -> None:
         INSTALLED.pop(edit_id, None)
 
 
-def check_selection(names: Any) -> None:
-    """A request may only name installed edits."""
+def check_selection(names: tuple[str, ...] | None) -> None:
+    """A request may only name installed edits (``names``: its parsed ``nnsight_edits``,
+    payload.request_args)."""
     if names is None:
         return
-    wanted = [names] if isinstance(names, str) else list(names)
     known = {n for n in INSTALLED.values() if n is not None}
-    unknown = [n for n in wanted if n not in known]
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise PayloadError(f"unknown edit name(s) {unknown}; installed: {sorted(known) or 'none'}")

@@ -215,12 +215,6 @@ def _check_cache(model: torch.nn.Module, op: dict[str, Any], check_access: Calla
 CACHEABLE = 64 * 1024  # payload text (values + source) whose lowering is cached
 
 
-def wanted(flag: Any) -> bool:
-    """``nnsight_lower`` in ``extra_args``: off for False, 0 or "false" (an OpenAI
-    request's ``vllm_xargs`` turn JSON ``false`` into 0)."""
-    return str(flag).strip().lower() not in ("false", "0", "0.0", "no", "off")
-
-
 class Lowerings:
     """An engine's plans, cached by payload text: requests sending one block share
     one spec, so their ops batch by identity, and a hit records nothing."""
