@@ -208,8 +208,8 @@ class ValueServing:
         parallel a split value is served whole (:mod:`.shards`)."""
         split = self.splits.of(key) if self.splits.ranks > 1 and self.layout is not None else None
         if split is not None and self._touched(key):
-            if split[0] == "refused":
-                self._refuse_location(key, split[1])
+            if split.kind == "refused":
+                self._refuse_location(key, split.reason)
                 return
             whole, write_back = shards.gather(value, split, self.splits.ranks, self.splits.rank,
                                               inputs=key[-1] == "inputs")
