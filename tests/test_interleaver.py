@@ -665,3 +665,16 @@ def _steady_against_walk(config, seed: int) -> int:
                 inter.finish([req_id])
             live.pop(req_id, None)
     return 60 - len(walked)
+
+
+def test_a_prompt_chunk_picks_the_positions_it_holds():
+    """A prompt of 10 split by chunked prefill: this step computes its positions 4..7
+    in the batch's rows 2..5, and more of it follows."""
+    from vllm_nnsight_plugin.engine.plan_ops import _chunk_rows
+    from vllm_nnsight_plugin.engine.rows import Chunk
+
+    chunk = Chunk(start=4, prompt_len=10, more_chunks=True)
+    layout = StepLayout({"a": (2, 6), "b": (6, 7)}, {"a": 0, "b": 1}, 7, chunks={"a": chunk})
+    assert layout.more_chunks("a") and not layout.more_chunks("b")
+    assert not StepLayout({"a": (0, 6)}, {"a": 0}, 6, chunks={"a": chunk._replace(more_chunks=False)}).more_chunks("a")
+    assert _chunk_rows((2, 6), [0, 4, 5, -3, -1], chunk) == (2, 3, 5)  # positions 4, 5, 7; 0 and 9 lie elsewhere
