@@ -678,3 +678,10 @@ def test_a_prompt_chunk_picks_the_positions_it_holds():
     assert layout.more_chunks("a") and not layout.more_chunks("b")
     assert not StepLayout({"a": (0, 6)}, {"a": 0}, 6, chunks={"a": chunk._replace(more_chunks=False)}).more_chunks("a")
     assert _chunk_rows((2, 6), [0, 4, 5, -3, -1], chunk) == (2, 3, 5)  # positions 4, 5, 7; 0 and 9 lie elsewhere
+
+
+def test_a_tap_site_parses_back_to_its_parts():
+    from vllm_nnsight_plugin.engine import taps
+
+    site = taps._site("model.layers.1", "output", "(TN")
+    assert taps.parse_site(site) == taps.TapSite(path="model.layers.1", kind="output", code="(TN")

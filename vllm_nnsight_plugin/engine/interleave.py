@@ -24,7 +24,7 @@ from .limits import limits, measure
 from .logits_serving import LogitsServing
 from .requests import QuietBatch, TracedRequests
 from .rows import Chunk, StepLayout
-from .serving import ValueServing
+from .serving import SiteKey, ValueServing
 from .session import RequestSession, engine_error
 
 
@@ -43,7 +43,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.taps = taps.from_settings(settings)
         # (path, kind) pairs the tap op serves in this (compiled) model (taps.on_model_loaded)
         self.tapped: set[tuple[str, str]] = set(tap_sites)
-        self._tap_keys: dict[str, tuple[tuple, str]] = {}
+        self._tap_keys: dict[str, SiteKey] = {}  # tap site -> its location key (ValueServing._site_key)
         if self.tapped:
             taps.set_handler(self.on_tap)
         self.root = WorkerEnvoy(model, "", self)
