@@ -11,7 +11,7 @@ from conftest import generate_together
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, make_payload, results
-from vllm_nnsight_plugin.payload.spec import last_step, replayable, runs_batched
+from vllm_nnsight_plugin.payload.spec import StepFilter, last_step, replayable, runs_batched, step_filter
 
 PROMPTS = ["The capital of Japan is", "Hello world!", "One two three four", "The quick brown fox", "A B C"]
 
@@ -58,6 +58,12 @@ def test_steering_specs_qualify_for_the_batched_path():
     assert not runs_batched({"kind": "spec", "ops": [{"op": "logits_topk", "name": "t", "k": 3}]})
     steer = json.loads(_spec(VEC_A))
     assert replayable(steer) and last_step(steer) is None
+
+
+def test_a_specs_steps_name_the_steps_a_block_runs_its_op_at():
+    assert step_filter(None) == step_filter("prefill") == StepFilter(explicit={0}, generated=False, last=0)
+    assert step_filter("generated") == step_filter("all") == StepFilter(explicit=None, generated=True, last=None)
+    assert step_filter([2, "5"]) == StepFilter(explicit={2, 5}, generated=False, last=5)
 
 
 def test_batched_steering_equals_the_same_steering_as_a_block(llama):

@@ -665,3 +665,47 @@ def _steady_against_walk(config, seed: int) -> int:
                 inter.finish([req_id])
             live.pop(req_id, None)
     return 60 - len(walked)
+
+
+def test_a_prompt_chunk_picks_the_positions_it_holds():
+    """A prompt of 10 split by chunked prefill: this step computes its positions 4..7
+    in the batch's rows 2..5, and more of it follows."""
+    from vllm_nnsight_plugin.engine.plan_ops import _chunk_rows
+    from vllm_nnsight_plugin.engine.rows import Chunk
+
+    chunk = Chunk(start=4, prompt_len=10, more_chunks=True)
+    layout = StepLayout({"a": (2, 6), "b": (6, 7)}, {"a": 0, "b": 1}, 7, chunks={"a": chunk})
+    assert layout.more_chunks("a") and not layout.more_chunks("b")
+    assert not StepLayout({"a": (0, 6)}, {"a": 0}, 6, chunks={"a": chunk._replace(more_chunks=False)}).more_chunks("a")
+    assert _chunk_rows((2, 6), [0, 4, 5, -3, -1], chunk) == (2, 3, 5)  # positions 4, 5, 7; 0 and 9 lie elsewhere
+
+
+def test_a_tap_site_parses_back_to_its_parts():
+    from vllm_nnsight_plugin.engine import taps
+
+    site = taps._site("model.layers.1", "output", "(TN")
+    assert taps.parse_site(site) == taps.TapSite(path="model.layers.1", kind="output", code="(TN")
+
+
+def test_a_per_request_spec_reads_at_its_listed_steps_and_ends_after_the_last(configs):
+    """A spec with a logits op runs per request (engine/spec_runner.py): a read listed
+    at steps 0 and 1 gives one value per step, and the request is done after step 1."""
+    import json
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    inter = Interleaver(model, configs[True])
+    inter.admit("a", {"nnsight": json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "read", "name": "h", "module": "0", "steps": [0, 1]},
+        {"op": "logits_topk", "name": "t", "k": 2}]})})
+    seen, results = [], []
+    for n in (3, 1):
+        inter.begin_step(StepLayout({"a": (0, n)}, {"a": 0}, n))
+        with torch.inference_mode():
+            x = torch.arange(4 * n, dtype=torch.float32).reshape(n, 4)
+            seen.append(model[0](x))
+            inter.serve(("logits",), model(x)[[n - 1]], row_based=True)
+        results.append(inter.end_step()["a"])
+    assert not results[0]["done"] and results[1]["done"] and results[1]["error"] is None
+    h = values.decode(results[1]["saves"]["h"])
+    assert len(h) == 2 and all(torch.allclose(a, b) for a, b in zip(h, seen))

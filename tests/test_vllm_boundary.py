@@ -198,3 +198,21 @@ def test_late_results_ride_the_output_vllm_takes():
     quiet = output()
     runners.attach_late_results(quiet, dict)  # (nothing found: nothing attached)
     assert runners.take_results(quiet) is None
+
+
+def test_a_steps_new_requests_carry_their_extra_args_and_params():
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_nnsight_plugin.boundary import runners
+
+    traced = SamplingParams(extra_args={"nnsight": "payload"})
+    plain = SamplingParams()
+    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="a", sampling_params=traced),
+                                              SimpleNamespace(req_id="b", sampling_params=plain),
+                                              SimpleNamespace(req_id="c", sampling_params=None)])
+    new = runners.new_requests_with_params(out)
+    assert new == [runners.NewRequest("a", {"nnsight": "payload"}, traced),
+                   runners.NewRequest("b", None, plain), runners.NewRequest("c", None, None)]
+    assert new[0].extra_args is traced.extra_args and new[1].params is plain

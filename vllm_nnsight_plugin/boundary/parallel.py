@@ -5,7 +5,8 @@ rank holds a shard of, and the modules another pipeline stage holds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 
 def stand_in_classes(model: Any) -> dict[int, type]:
@@ -134,13 +135,38 @@ def tp_all_reduce(x: Any) -> Any:
     return tensor_model_parallel_all_reduce(x.clone())
 
 
-def shard_of(module: Any, io: str) -> tuple | None:
-    """How a module's value is split across tensor-parallel ranks: ``("sharded",
-    segments)`` along the last dimension, each rank holding its slice of every segment
-    (``segments``: the local sizes, or ``"whole"``/``"halves"`` of the local value),
-    with a third element, the ranks that hold each segment's same slice, when KV heads
-    are replicated (fewer KV heads than ranks); ``("partial", "sum")`` for a per-rank
-    partial sum; None when every rank holds the whole value."""
+@dataclass(frozen=True, slots=True)
+class Split:
+    """How a module's value is split across tensor-parallel ranks (looked up once per
+    location by ``engine.shards.Splits``)."""
+
+    kind: Literal["sharded", "partial", "refused"]
+    # sharded: along the last dimension, each rank holding its slice of every segment;
+    # the local sizes, or "whole"/"halves" of the local value
+    segments: tuple[int, ...] | str = "whole"
+    # sharded: the ranks in a row that hold each segment's same slice (KV heads
+    # replicated when there are fewer than ranks); None: one rank each
+    replicas: tuple[int, ...] | None = None
+    reason: str = ""  # refused: why the value cannot be put together
+
+    @classmethod
+    def sharded(cls, segments: tuple[int, ...] | str, replicas: tuple[int, ...] | None = None) -> Split:
+        return cls("sharded", segments, replicas)
+
+    @classmethod
+    def partial(cls) -> Split:
+        """A per-rank partial sum (the caller all-reduces)."""
+        return cls("partial")
+
+    @classmethod
+    def refused(cls, reason: str) -> Split:
+        return cls("refused", reason=reason)
+
+
+def shard_of(module: Any, io: str) -> Split | None:
+    """How a module's value is split across tensor-parallel ranks (:class:`Split`);
+    None when every rank holds the whole value. Raises NotImplementedError for a split
+    it cannot put together."""
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     if isinstance(module, ColumnParallelLinear):
@@ -151,22 +177,22 @@ def shard_of(module: Any, io: str) -> tuple | None:
         if replicas > 1:  # fewer KV heads than ranks: each KV head is on `replicas` ranks in a row
             if len(sizes) != 3:
                 raise NotImplementedError(f"{type(module).__name__}: replicated KV heads in {len(sizes)} segments")
-            return "sharded", sizes, (1, replicas, replicas)
-        return "sharded", sizes
+            return Split.sharded(sizes, (1, replicas, replicas))
+        return Split.sharded(sizes)
     if isinstance(module, RowParallelLinear):
         if module.tp_size <= 1:
             return None
         if io == "input":
-            return ("sharded", "whole") if module.input_is_parallel else None
-        return None if module.reduce_results else ("partial", "sum")
+            return Split.sharded("whole") if module.input_is_parallel else None
+        return None if module.reduce_results else Split.partial()
     if tp_world()[0] <= 1:
         return None
     name = type(module).__name__
     if name == "Attention" and type(module).__module__.startswith("vllm."):
-        return "sharded", "whole"  # (its heads are this rank's: query in, heads' values out)
+        return Split.sharded("whole")  # (its heads are this rank's: query in, heads' values out)
     if name.endswith("AndMul") or name == "MulAndSilu":  # (gate and up in, their product out)
-        return ("sharded", "halves") if io == "input" else ("sharded", "whole")
+        return Split.sharded("halves") if io == "input" else Split.sharded("whole")
     if hasattr(module, "reduce_results") and io == "output" and not module.reduce_results \
             and hasattr(module, "tp_size") and module.tp_size > 1:
-        return "partial", "sum"  # (a fused MoE whose caller all-reduces)
+        return Split.partial()  # (a fused MoE whose caller all-reduces)
     return None

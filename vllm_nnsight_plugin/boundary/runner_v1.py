@@ -64,15 +64,15 @@ def admit_step(runner: Any, scheduler_output: Any, recomputed: Iterable[str]) ->
     (every new request while engine-wide edits are installed). The interleaver when
     the step has traced work, else None (the step runs untouched)."""
     new = runners.new_requests_with_params(scheduler_output)
-    traced = [r for r in new if r[1] and codec.PAYLOAD_KEY in r[1]]
+    traced = [r for r in new if r.extra_args and codec.PAYLOAD_KEY in r.extra_args]
     inter = interleaver_of(runner, create=bool(traced))
     if inter is None:
         return None
     inter.finish(runners.finished_ids(scheduler_output))
     for req_id in recomputed:
         inter.preempted(req_id)
-    for req_id, extra_args, params in new if inter.edits else traced:
-        inter.admit(req_id, extra_args, params)
+    for r in new if inter.edits else traced:
+        inter.admit(r.req_id, r.extra_args, r.params)
     return inter if inter.working() else None
 
 

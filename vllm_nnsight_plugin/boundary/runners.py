@@ -44,12 +44,20 @@ def v2_desc_is_full(batch_desc: Any) -> bool:
     return getattr(mode, "name", "") == "FULL"
 
 
-def new_requests_with_params(scheduler_output: Any) -> list[tuple[str, dict | None, Any]]:
-    """``(req_id, extra_args, SamplingParams)`` of the step's new requests."""
+class NewRequest(NamedTuple):
+    """A request the scheduler sends the runner for the first time this step."""
+
+    req_id: str
+    extra_args: dict | None  # its SamplingParams' extra_args (where a payload rides)
+    params: Any  # its SamplingParams (None for a pooling request)
+
+
+def new_requests_with_params(scheduler_output: Any) -> list[NewRequest]:
+    """The step's new requests."""
     out = []
     for new in scheduler_output.scheduled_new_reqs:
         params = new.sampling_params
-        out.append((new.req_id, getattr(params, "extra_args", None) if params is not None else None, params))
+        out.append(NewRequest(new.req_id, getattr(params, "extra_args", None) if params is not None else None, params))
     return out
 
 

@@ -46,6 +46,7 @@ from .spec_runner import absolute_rows, read_value
 
 if TYPE_CHECKING:
     from .interleave import Interleaver
+    from .rows import Chunk
     from .session import RequestSession
 
 
@@ -325,7 +326,7 @@ class BatchedEdits(LanePlans):
 
     @staticmethod
     def _read_chunks(op: dict[str, Any], rows: torch.Tensor, spans: list[tuple[int, int]],
-                     sessions: list[RequestSession], chunks: dict[str, tuple[int, int, bool]]) -> None:
+                     sessions: list[RequestSession], chunks: dict[str, Chunk]) -> None:
         """A read in a step where some prompts come in chunks: every request's rows go
         to a host block; a later chunk's rows continue its prompt's step, and a read of
         the prompt alone is one tensor of every chunk's rows (:class:`.rowlog.RowLog`)."""
@@ -336,7 +337,7 @@ class BatchedEdits(LanePlans):
             log = session.namespace.get(name)
             if once and not isinstance(log, RowLog):
                 log = session.namespace[name] = RowLog(squeeze=_one_row(op), single=True)
-            log.add(block, first + start, first + end, cont=chunk is not None and chunk[0] > 0)
+            log.add(block, first + start, first + end, cont=chunk is not None and chunk.start > 0)
             if once:
                 session.keep(log)  # (shipped again as it grows)
 

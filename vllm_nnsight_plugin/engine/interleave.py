@@ -23,8 +23,8 @@ from .finite_logits import GuardedRows
 from .limits import measure
 from .logits_serving import LogitsServing
 from .requests import QuietBatch, TracedRequests
-from .rows import StepLayout
-from .serving import ValueServing
+from .rows import Chunk, StepLayout
+from .serving import SiteKey, ValueServing
 from .session import RequestSession, engine_error
 
 
@@ -42,7 +42,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.taps = settings.taps
         # (path, kind) pairs the tap op serves in this (compiled) model (taps.on_model_loaded)
         self.tapped: set[tuple[str, str]] = set(tap_sites)
-        self._tap_keys: dict[str, tuple[tuple, str]] = {}
+        self._tap_keys: dict[str, SiteKey] = {}  # tap site -> its location key (ValueServing._site_key)
         if self.tapped:
             taps.set_handler(self.on_tap)
         self.root = WorkerEnvoy(model, "", self)
@@ -81,7 +81,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self._ranks: dict[str, int] | None = None
         self._epoch = 0
         self._quiet: QuietBatch | None = None  # (see QuietBatch)
-        self._chunks: dict[str, tuple[int, int, bool]] = {}  # prompts split this step (see prompt_split)
+        self._chunks: dict[str, Chunk] = {}  # prompts split this step (see prompt_split)
 
     # the traced requests' state, read here; changed only by self.requests (TracedRequests)
     sessions = property(lambda self: self.requests.sessions)
@@ -145,7 +145,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         positions count from the prompt's start, and prompt reads gather every chunk."""
         blocks = self.sessions.get(req_id, ())
         if any(s.active for s in blocks) and all(s.batched for s in blocks if s.active):
-            self._chunks[req_id] = (computed, prompt_len, computed + scheduled < prompt_len)
+            self._chunks[req_id] = Chunk(computed, prompt_len, computed + scheduled < prompt_len)
             self._epoch += 1  # (no steady-batch shortcut while a prompt is in chunks)
             return
         if not self.stateless(req_id):

@@ -13,6 +13,7 @@ import torch
 from .spec_runner import absolute_rows, pick_index
 
 if TYPE_CHECKING:
+    from .rows import Chunk
     from .session import RequestSession
 
 
@@ -83,11 +84,11 @@ def _step_set(steps: list[int]) -> frozenset[int]:
     return known[1]
 
 
-def _chunk_rows(span: tuple[int, int], positions: list[int] | int, chunk: tuple[int, int, bool]) -> Rows:
+def _chunk_rows(span: tuple[int, int], positions: list[int] | int, chunk: Chunk) -> Rows:
     """The rows of ``positions`` (counted in the whole prompt) in this chunk of it."""
-    computed, prompt_len, _ = chunk
-    rows = absolute_rows(prompt_len, positions)
-    return Rows(span[0] + q - computed for q in rows if computed <= q < computed + span[1] - span[0])
+    start = chunk.start
+    rows = absolute_rows(chunk.prompt_len, positions)
+    return Rows(span[0] + q - start for q in rows if start <= q < start + span[1] - span[0])
 
 
 class Rows(tuple):

@@ -4,11 +4,20 @@ publish, narrowing a module value to one request's rows, and assigning into them
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .tree import leaves, map_tensors
+
+
+class Chunk(NamedTuple):
+    """This step's part of a prompt that chunked prefill (or a prefix-cache hit)
+    splits across steps, for a request whose blocks all run batched plans."""
+
+    start: int  # the prompt's rows computed before this step: this chunk's first position
+    prompt_len: int
+    more_chunks: bool  # a later step computes more of the prompt (this is not its last chunk)
 
 
 @dataclass
@@ -23,14 +32,13 @@ class StepLayout:
     sampled: Any = None  # this step's sampled token ids (device tensor), once sampled
     sampled_cpu: list | None = None
     logits_seen: bool = False
-    # requests whose prompt is split this step (batched plans): req_id -> (rows of the
-    # prompt computed before this step, prompt length, whether more chunks follow)
-    chunks: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
+    # requests whose prompt is split this step (batched plans): req_id -> its chunk
+    chunks: dict[str, Chunk] = field(default_factory=dict)
 
     def more_chunks(self, req_id: str) -> bool:
         """The request's prompt is split and this step is not its last chunk."""
         chunk = self.chunks.get(req_id)
-        return chunk is not None and chunk[2]
+        return chunk is not None and chunk.more_chunks
 
     def sampled_token(self, req_id: str) -> int:
         """This step's token for a request (one device-to-host copy per step, on demand)."""

@@ -5,7 +5,7 @@ together first). The logits and samples are :mod:`.logits_serving`'s. A part of
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -15,6 +15,13 @@ from .session import _NOTHING, InterventionFailure, RequestSession, Serving, Wai
 from .tree import leaves
 
 SERVED_LIMIT = 1 << 16  # distinct served storages remembered (eager engines reuse a bounded set)
+
+
+class SiteKey(NamedTuple):
+    """A tap site as the interleaver serves it (resolved once per site)."""
+
+    key: tuple  # its location key, ``(id(module), kind)``, as waiters and batched entries use
+    code: str  # how its value is built from the op's tensors (taps.flatten)
 
 
 class ValueServing:
@@ -161,12 +168,12 @@ class ValueServing:
         return False
 
 
-    def _site_key(self, site: str) -> tuple[tuple, str]:
-        """A tap site's location key (as waiters and batched entries use) and value code."""
+    def _site_key(self, site: str) -> SiteKey:
+        """A tap site's location key and value code."""
         found = self._tap_keys.get(site)
         if found is None:
-            path, kind, code = taps.parse_site(site)
-            found = self._tap_keys[site] = ((id(self.envoy_at(path)._module), kind), code)
+            tap = taps.parse_site(site)
+            found = self._tap_keys[site] = SiteKey((id(self.envoy_at(tap.path)._module), tap.kind), tap.code)
         return found
 
 
@@ -174,10 +181,10 @@ class ValueServing:
         """The lanes and value code of the tap site at ``key`` (None: no lanes there)."""
         sites = lanes.sites()
         if len(self._lane_keys) != len(sites):
-            self._lane_keys = {self._site_key(site)[0]: site for site in sites}
+            self._lane_keys = {self._site_key(site).key: site for site in sites}
         site = self._lane_keys.get(key)
         parts = lanes.lanes_at(site) if site is not None else None
-        return (parts, self._site_key(site)[1]) if parts is not None else None
+        return (parts, self._site_key(site).code) if parts is not None else None
 
 
     def lane_site_name(self, key: tuple) -> str:
@@ -208,8 +215,8 @@ class ValueServing:
         parallel a split value is served whole (:mod:`.shards`)."""
         split = self.splits.of(key) if self.splits.ranks > 1 and self.layout is not None else None
         if split is not None and self._touched(key):
-            if split[0] == "refused":
-                self._refuse_location(key, split[1])
+            if split.kind == "refused":
+                self._refuse_location(key, split.reason)
                 return
             whole, write_back = shards.gather(value, split, self.splits.ranks, self.splits.rank,
                                               inputs=key[-1] == "inputs")

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from ..boundary import parallel
-
-Split = tuple  # (kind, segments) or ("sharded", segments, replicas per segment)
+from ..boundary.parallel import Split
 
 
 def _sizes(segments: tuple[int, ...] | str, local: int) -> tuple[int, ...]:
@@ -74,22 +73,21 @@ def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False
     x = value[0] if element is not None else value
     if not isinstance(x, torch.Tensor):
         return value, lambda: None
-    kind, segments, *more = split
-    replicas = more[0] if more else None
-    if kind == "partial":
+    partial = split.kind == "partial"
+    if partial:
         whole = parallel.tp_all_reduce(x)
         before = whole.clone()
     else:
-        sizes = _sizes(segments, x.shape[-1])
-        whole = _whole_sharded(x, sizes, ranks, replicas)
+        sizes = _sizes(split.segments, x.shape[-1])
+        whole = _whole_sharded(x, sizes, ranks, split.replicas)
     served = (whole, *value[1:]) if element is not None else whole
 
     def write_back() -> None:  # (inference tensors keep no version counter: always, a copy)
-        if kind == "partial":  # the caller sums the ranks' parts: rank 0 carries the change
+        if partial:  # the caller sums the ranks' parts: rank 0 carries the change
             if rank == 0:
                 x.add_(whole - before)
         else:
-            _write_sharded(x, whole, sizes, ranks, rank, replicas)
+            _write_sharded(x, whole, sizes, ranks, rank, split.replicas)
 
     return served, write_back
 
@@ -113,6 +111,6 @@ class Splits:
             try:
                 found = parallel.shard_of(module, io) if module is not None else None
             except NotImplementedError as exc:
-                found = ("refused", str(exc))
+                found = Split.refused(str(exc))
             self._known[key] = found
         return found

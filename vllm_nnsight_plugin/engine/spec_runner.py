@@ -107,16 +107,16 @@ def run_spec(model: Any, tracer: Any, *, ops: list[dict[str, Any]], session: Req
         ),
     )
     filters = {i: specmod.step_filter(ops[i].get("steps")) for i in plan}
-    open_ended = any(f[1] for f in filters.values())
-    last = None if open_ended else max(f[2] for f in filters.values())
+    open_ended = any(f.generated for f in filters.values())
+    last = None if open_ended else max(f.last for f in filters.values())
     for i in plan:
         if "name" in ops[i] and not specmod.is_single(ops[i]):
             ns[ops[i]["name"]] = session.save([])
     steps = tracer.all() if open_ended else tracer.iter[: last + 1]
     for step in steps:
         for i in plan:
-            explicit, generated, _ = filters[i]
-            if not ((explicit is not None and step in explicit) or (generated and step >= 1)
+            f = filters[i]
+            if not ((f.explicit is not None and step in f.explicit) or (f.generated and step >= 1)
                     or (ops[i].get("steps") == "all")):
                 continue
             out: dict[str, Any] = {}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -86,13 +86,22 @@ def rebuild(code: str, xs: list[torch.Tensor]) -> Any:
     return tuple(items) if code[0] == "(" else items
 
 
+class TapSite(NamedTuple):
+    """A tap site: the op's string argument ``"path|kind|code"``, parsed (once per
+    site: the interleaver keeps each site's location key)."""
+
+    path: str  # the module's path
+    kind: str  # "output" or "input"
+    code: str  # how the value is built from the op's tensors (see flatten)
+
+
 def _site(path: str, kind: str, code: str) -> str:
     return f"{path}|{kind}|{code}"
 
 
-def parse_site(site: str) -> tuple[str, str, str]:
+def parse_site(site: str) -> TapSite:
     path, kind, code = site.split("|")
-    return path, kind, code
+    return TapSite(path, kind, code)
 
 
 def install(model: torch.nn.Module, taps: TapSet) -> list[tuple[str, str]]:

@@ -26,7 +26,7 @@ import json
 import math
 import re
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import PayloadError
 
@@ -248,17 +248,25 @@ def validate(env: dict[str, Any], max_width: int | None = None) -> dict[str, Any
     return env
 
 
-def step_filter(steps: Any) -> tuple[set[int] | None, bool, int | None]:
-    """``(explicit steps or None, includes generated steps, last step or None)``."""
+class StepFilter(NamedTuple):
+    """The steps an op's ``steps`` runs it at."""
+
+    explicit: set[int] | None  # these steps (prefill is step 0); None: none listed
+    generated: bool  # every generated step (1, 2, ...)
+    last: int | None  # the last step it runs at; None: open-ended
+
+
+def step_filter(steps: Any) -> StepFilter:
+    """The steps ``steps`` (an op's ``"steps"``, default ``"prefill"``) names."""
     steps = "prefill" if steps is None else steps
     if steps == "prefill":
-        return {0}, False, 0
+        return StepFilter({0}, False, 0)
     if steps == "generated":
-        return None, True, None
+        return StepFilter(None, True, None)
     if steps == "all":
-        return None, True, None
+        return StepFilter(None, True, None)
     explicit = {int(s) for s in steps}
-    return explicit, False, max(explicit)
+    return StepFilter(explicit, False, max(explicit))
 
 
 def is_single(op: dict[str, Any]) -> bool:
