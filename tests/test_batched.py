@@ -131,14 +131,12 @@ class _Toy(torch.nn.Module):
 
 
 def _toy():
-    import types
 
     from vllm_nnsight_plugin.engine.interleave import Interleaver
+    from vllm_nnsight_plugin.engine.worker_setup import WorkerSetup
 
-    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=True),
-                                compilation_config=None, additional_config={})
     model = _Toy().eval()
-    return model, Interleaver(model, cfg)
+    return model, Interleaver(model, WorkerSetup())
 
 
 def _toy_spec(*ops) -> str:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm_nnsight_plugin import make_payload
+from vllm_nnsight_plugin.boundary.worker_setup import worker_setup
 from vllm_nnsight_plugin.engine.interleave import Interleaver, StepLayout
 from vllm_nnsight_plugin.payload import values
 
@@ -50,7 +51,7 @@ def read_logits(model, tracer):
 def test_compiled_engine_refuses_module_access_but_serves_logits(configs):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    inter = Interleaver(model, configs[False])
+    inter = Interleaver(model, worker_setup(model, configs[False]))
     assert not inter.eager
     res = _step(inter, model, {"a": read_layer, "b": read_logits})
     err = res["a"]["error"]
@@ -62,7 +63,7 @@ def test_compiled_engine_refuses_module_access_but_serves_logits(configs):
 def test_eager_engine_serves_each_request_its_rows(configs):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    inter = Interleaver(model, configs[True])
+    inter = Interleaver(model, worker_setup(model, configs[True]))
     res = _step(inter, model, {"a": read_layer})
     x = values.decode(res["a"]["saves"]["x"])  # encoded in the worker, as it leaves
     ref = model[0](torch.arange(20, dtype=torch.float32).reshape(5, 4))[0:3]
@@ -83,7 +84,7 @@ def test_saving_copies_served_buffers_but_not_the_blocks_own_tensors(configs):
     tensor the block computed itself is kept without a copy."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 4))
-    inter = Interleaver(model, configs[True])
+    inter = Interleaver(model, worker_setup(model, configs[True]))
     inter.admit("a", {"nnsight": make_payload(own_and_served)})
     (session,) = inter.sessions["a"]
     inter.begin_step(StepLayout({"a": (0, 5)}, {"a": 0}, 5))
@@ -249,7 +250,7 @@ def test_batched_per_step_reads_gather_each_requests_rows_across_host_blocks(con
     host.release()
     torch.manual_seed(0)
     model = _Net()
-    inter = Interleaver(model, configs[True])
+    inter = Interleaver(model, worker_setup(model, configs[True]))
     spec = json.dumps({"v": 1, "kind": "spec", "ops": [
         {"op": "read", "name": "h", "module": "pair", "index": 0, "steps": "all"},
         {"op": "read", "name": "pair", "module": "pair", "steps": "all"}]})
@@ -330,7 +331,7 @@ def test_lane_tables_follow_the_batch_when_steps_repeat_or_change(llama_path):
     try:
         torch.manual_seed(0)
         root = _Root()
-        inter = Interleaver(root, config, taps.install(root, taps.from_settings(tap)))
+        inter = Interleaver(root, worker_setup(root, config), taps.install(root, taps.from_settings(tap)))
 
         def spec(v: float) -> str:  # steer, then read the residual stream it leaves
             return json.dumps({"v": 1, "kind": "spec", "ops": [
@@ -407,7 +408,7 @@ def test_batched_prompt_reads_ship_after_the_first_step(configs):
     from vllm import SamplingParams
 
     model = _Net()
-    inter = Interleaver(model, configs[True])
+    inter = Interleaver(model, worker_setup(model, configs[True]))
     spec = json.dumps({"v": 1, "kind": "spec", "ops": [
         {"op": "read", "name": "h", "module": "pair", "index": 0, "steps": "prefill"}]})
     inter.admit("p", {"nnsight": spec}, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -436,7 +437,7 @@ def test_a_prompt_only_read_is_over_after_its_step_but_an_edit_beside_it_is_not(
 
     torch.manual_seed(0)
     model = _Net()
-    inter = Interleaver(model, configs[True])
+    inter = Interleaver(model, worker_setup(model, configs[True]))
     read = {"op": "read", "name": "h", "module": "pair", "index": 0, "steps": "prefill"}
     steer = {"op": "add", "module": "pair", "index": 0, "value": [1.0] * 4, "steps": "all"}
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -513,7 +514,7 @@ def test_a_steady_batch_of_steering_specs_skips_the_walk_but_not_a_change(config
 
     torch.manual_seed(0)
     model = _Net()
-    inter = Interleaver(model, configs[True])
+    inter = Interleaver(model, worker_setup(model, configs[True]))
     steer = json.dumps({"v": 1, "kind": "spec", "ops": [
         {"op": "add", "module": "pair", "index": 0, "value": [1.0] * 4, "steps": "all"}]})
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -603,7 +604,7 @@ def _steady_against_walk(config, seed: int) -> int:
     torch.manual_seed(seed)
     models = [_Net()]
     models.append(copy.deepcopy(models[0]))
-    fast, walk = (Interleaver(m, config) for m in models)
+    fast, walk = (Interleaver(m, worker_setup(m, config)) for m in models)
     live: dict[str, int] = {}  # request -> steps scheduled
     walked: list[int] = []
     walk_step = fast._walk_step
@@ -694,7 +695,7 @@ def test_a_per_request_spec_reads_at_its_listed_steps_and_ends_after_the_last(co
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    inter = Interleaver(model, configs[True])
+    inter = Interleaver(model, worker_setup(model, configs[True]))
     inter.admit("a", {"nnsight": json.dumps({"v": 1, "kind": "spec", "ops": [
         {"op": "read", "name": "h", "module": "0", "steps": [0, 1]},
         {"op": "logits_topk", "name": "t", "k": 2}]})})

@@ -226,20 +226,18 @@ def test_two_stages_admitting_the_same_requests_agree_where_they_must():
     other's): a block of the last stage's submodules, which stage 0 can only keep as
     code, runs; the same block editing stage 0's layer as well ends with an error (stage
     0 could not run that edit); a spec editing stage 0's layer runs there."""
-    import types
 
     from vllm import SamplingParams
 
     from vllm_nnsight_plugin.engine import stages
     from vllm_nnsight_plugin.engine.interleave import Interleaver
+    from vllm_nnsight_plugin.engine.worker_setup import WorkerSetup
     from vllm_nnsight_plugin.payload import codec
 
     def stage(last):
         model = _Toy().eval()
         model.layers[0 if last else 1] = torch.nn.Identity()  # (the other stage's layer: no children)
-        cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=True),
-                                    compilation_config=None, additional_config={})
-        inter = Interleaver(model, cfg)
+        inter = Interleaver(model, WorkerSetup())
         inter.absent = frozenset({"layers.0" if last else "layers.1", *(() if last else ("lm_head",))})
         inter.stages = StageTransport(inter.absent, last)
         return inter

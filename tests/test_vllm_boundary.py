@@ -120,6 +120,22 @@ def test_only_the_boundary_names_vllm():
     assert _vllm_imports() and not outside and not plain, (outside, plain)
 
 
+def test_the_core_does_not_import_the_boundary():
+    """engine/ and payload/ reach vLLM only through what the boundary hands them (a
+    ``WorkerSetup``, the runner's calls): no import of ``boundary`` at any depth."""
+    import vllm_nnsight_plugin
+
+    root = pathlib.Path(vllm_nnsight_plugin.__file__).parent
+    found = []
+    for package in ("engine", "payload"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                module = (node.module or "").split(".") if isinstance(node, ast.ImportFrom) else []
+                if "boundary" in module and (node.level or module[0] == "vllm_nnsight_plugin"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, found
+
+
 def test_attributes_read_with_a_default_exist():
     """Attributes the boundary reads with ``getattr(..., default)`` (a missing one would
     quietly switch a part off rather than fail): each is still set by this vLLM."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
+
+from ..engine.shards import Split
 
 
 def stand_in_classes(model: Any) -> dict[int, type]:
@@ -121,6 +123,29 @@ def tp_world() -> tuple[int, int]:
         return 1, 0
 
 
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """This worker's tensor-parallel group for the core (``engine.shards.Collectives``)."""
+
+    ranks: int
+    rank: int
+
+    def all_gather(self, x: Any) -> Any:
+        return tp_all_gather(x)
+
+    def all_reduce(self, x: Any) -> Any:
+        return tp_all_reduce(x)
+
+    def split_of(self, module: Any, io: str) -> Split | None:
+        return shard_of(module, io)
+
+
+def tp_group() -> TensorParallelGroup | None:
+    """This worker's group; None with one rank."""
+    ranks, rank = tp_world()
+    return TensorParallelGroup(ranks, rank) if ranks > 1 else None
+
+
 def tp_all_gather(x: Any) -> Any:
     """Every rank's ``x`` side by side along the last dimension (a collective)."""
     from vllm.distributed import tensor_model_parallel_all_gather
@@ -133,34 +158,6 @@ def tp_all_reduce(x: Any) -> Any:
     from vllm.distributed import tensor_model_parallel_all_reduce
 
     return tensor_model_parallel_all_reduce(x.clone())
-
-
-@dataclass(frozen=True, slots=True)
-class Split:
-    """How a module's value is split across tensor-parallel ranks (looked up once per
-    location by ``engine.shards.Splits``)."""
-
-    kind: Literal["sharded", "partial", "refused"]
-    # sharded: along the last dimension, each rank holding its slice of every segment;
-    # the local sizes, or "whole"/"halves" of the local value
-    segments: tuple[int, ...] | str = "whole"
-    # sharded: the ranks in a row that hold each segment's same slice (KV heads
-    # replicated when there are fewer than ranks); None: one rank each
-    replicas: tuple[int, ...] | None = None
-    reason: str = ""  # refused: why the value cannot be put together
-
-    @classmethod
-    def sharded(cls, segments: tuple[int, ...] | str, replicas: tuple[int, ...] | None = None) -> Split:
-        return cls("sharded", segments, replicas)
-
-    @classmethod
-    def partial(cls) -> Split:
-        """A per-rank partial sum (the caller all-reduces)."""
-        return cls("partial")
-
-    @classmethod
-    def refused(cls, reason: str) -> Split:
-        return cls("refused", reason=reason)
 
 
 def shard_of(module: Any, io: str) -> Split | None:

@@ -22,6 +22,7 @@ from ..engine.interleave import Interleaver
 from ..engine.rows import StepLayout
 from ..payload import codec
 from . import kv_blocks, parallel, patching, runners, tap_setup
+from .worker_setup import worker_setup
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 
@@ -34,7 +35,7 @@ def interleaver_of(runner: Any, create: bool = False) -> Interleaver | None:
     inter = runner.__dict__.get(_ATTR)
     if inter is None and create:
         model = runners.runner_model(runner)
-        inter = Interleaver(model, runner.vllm_config, runner.__dict__.get(tap_setup.SITES, ()))
+        inter = Interleaver(model, worker_setup(model, runner.vllm_config), runner.__dict__.get(tap_setup.SITES, ()))
         _wrap_compute_logits(model, inter)
         runner.__dict__[_ATTR] = inter
     return inter

@@ -175,7 +175,6 @@ def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
     """Expands a cache op against the interleaver's model: every module it serves, or
     the op's ``modules`` (each checked: known, on one path, served). Memoized per op
     text, so requests caching alike share their reads (the interleaver keeps one)."""
-    from ..boundary import runners
     from .forward_types import output_structure
 
     memo: dict[str, Expansion] = {}
@@ -198,7 +197,7 @@ def expander(inter: Any) -> Callable[[dict[str, Any]], Expansion]:
         kept = ios(op)
         shared = inter.lowerings.shared()
         if op.get("modules") is None:
-            paths = default_paths(inter.model, shared, runners.OUTSIDE_FORWARD, served, kept)
+            paths = default_paths(inter.model, shared, inter.setup.outside_forward, served, kept)
         else:
             paths = []
             for raw in op["modules"]:

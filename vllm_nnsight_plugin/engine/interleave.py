@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from ..boundary import configuration, parallel
 from ..payload import codec
 from . import batched, budget, cache, finite_logits, host, lanes, lower, shards, stages, taps
 from .admission import Admission
@@ -26,6 +25,7 @@ from .requests import QuietBatch, TracedRequests
 from .rows import Chunk, StepLayout
 from .serving import SiteKey, ValueServing
 from .session import RequestSession, engine_error
+from .worker_setup import WorkerSetup
 
 
 class Interleaver(Admission, ValueServing, LogitsServing):
@@ -33,10 +33,11 @@ class Interleaver(Admission, ValueServing, LogitsServing):
     parts: admitting requests (:mod:`.admission`), serving values to blocks and
     batched ops (:mod:`.serving`), and, here, the step: begin, end, results shipped."""
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, tap_sites: Any = ()):
+    def __init__(self, model: torch.nn.Module, setup: WorkerSetup, tap_sites: Any = ()):
         self.model = model
-        self.eager = configuration.runs_eager(vllm_config)
-        self.settings = settings = configuration.settings(vllm_config)
+        self.setup = setup
+        self.eager = setup.eager
+        self.settings = settings = setup.settings
         self.watchdog = budget.Watchdog(settings.code_time_limit_s)
         self.trimmer = budget.Trimmer()
         self.taps = settings.taps
@@ -49,14 +50,14 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = WorkerTracer(self)
         # code blocks are recorded into plans
-        piped = parallel.pipeline_stages(vllm_config) > 1  # (pipeline parallel: every stage records alike)
-        self.lowerings = lower.Lowerings(model, configuration.model_dtype(vllm_config), self.watchdog.limit_s,
-                                         parallel.stand_in_classes(model) if piped else None)
-        self.splits = shards.Splits(model)  # tensor parallel: which locations are split across ranks
+        piped = setup.stages
+        self.lowerings = lower.Lowerings(model, setup.dtype, self.watchdog.limit_s,
+                                         piped.stand_ins if piped else None)
+        # tensor parallel: which locations are split across ranks
+        self.splits = shards.Splits(model, setup.tensor_parallel)
         # pipeline parallel: the modules other stages hold, and how plans reach them
-        self.absent = frozenset(parallel.absent_modules(model)) if piped else frozenset()
-        self.stages = stages.StageTransport(self.absent, parallel.pipeline_position()[1],
-                                            carries=parallel.stages_carry(vllm_config)) if piped else None
+        self.absent = piped.absent if piped else frozenset()
+        self.stages = stages.StageTransport(self.absent, piped.last, carries=piped.carries) if piped else None
         self.batched = batched.BatchedEdits(self)
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
         self.finite = finite_logits.FiniteLogits()

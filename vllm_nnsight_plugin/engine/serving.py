@@ -218,7 +218,7 @@ class ValueServing:
             if split.kind == "refused":
                 self._refuse_location(key, split.reason)
                 return
-            whole, write_back = shards.gather(value, split, self.splits.ranks, self.splits.rank,
+            whole, write_back = shards.gather(value, split, self.splits.group,
                                               inputs=key[-1] == "inputs")
             self._serve(key, whole, row_based)
             if self._exporting(key):

@@ -15,12 +15,52 @@ norms, row-parallel outputs, embeddings) and untouched locations cost nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import torch
 
-from ..boundary import parallel
-from ..boundary.parallel import Split
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """How a module's value is split across tensor-parallel ranks (the boundary says,
+    :class:`Collectives`; looked up once per location by :class:`Splits`)."""
+
+    kind: Literal["sharded", "partial", "refused"]
+    # sharded: along the last dimension, each rank holding its slice of every segment;
+    # the local sizes, or "whole"/"halves" of the local value
+    segments: tuple[int, ...] | str = "whole"
+    # sharded: the ranks in a row that hold each segment's same slice (KV heads
+    # replicated when there are fewer than ranks); None: one rank each
+    replicas: tuple[int, ...] | None = None
+    reason: str = ""  # refused: why the value cannot be put together
+
+    @classmethod
+    def sharded(cls, segments: tuple[int, ...] | str, replicas: tuple[int, ...] | None = None) -> Split:
+        return cls("sharded", segments, replicas)
+
+    @classmethod
+    def partial(cls) -> Split:
+        """A per-rank partial sum (the caller all-reduces)."""
+        return cls("partial")
+
+    @classmethod
+    def refused(cls, reason: str) -> Split:
+        return cls("refused", reason=reason)
+
+
+class Collectives(Protocol):
+    """This worker's tensor-parallel group, as the boundary gives it (``boundary.parallel``)."""
+
+    ranks: int
+    rank: int
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...  # ranks' values side by side (last dim)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...  # their sum
+
+    def split_of(self, module: torch.nn.Module, io: str) -> Split | None: ...  # NotImplementedError: cannot
+
 
 
 def _sizes(segments: tuple[int, ...] | str, local: int) -> tuple[int, ...]:
@@ -33,11 +73,11 @@ def _sizes(segments: tuple[int, ...] | str, local: int) -> tuple[int, ...]:
     return segments  # type: ignore[return-value]
 
 
-def _whole_sharded(x: torch.Tensor, sizes: tuple[int, ...], ranks: int,
+def _whole_sharded(x: torch.Tensor, sizes: tuple[int, ...], group: Collectives,
                    replicas: tuple[int, ...] | None = None) -> torch.Tensor:
     """The whole value: each segment's slices in rank order (a segment replicated on
     ``f`` ranks in a row, as KV heads when there are fewer than ranks, once per group)."""
-    gathered = parallel.tp_all_gather(x)  # [..., rank 0's segments, rank 1's, ...]
+    gathered = group.all_gather(x)  # [..., rank 0's segments, rank 1's, ...]
     per_rank = gathered.split(x.shape[-1], dim=-1)
     parts, offset = [], 0
     for i, size in enumerate(sizes):
@@ -58,7 +98,7 @@ def _write_sharded(x: torch.Tensor, whole: torch.Tensor, sizes: tuple[int, ...],
         full += (ranks // step) * size
 
 
-def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False) -> tuple[Any, Callable[[], None]]:
+def gather(value: Any, split: Split, group: Collectives, inputs: bool = False) -> tuple[Any, Callable[[], None]]:
     """The whole value (a tensor, or a tuple whose first element is the split one, as
     a linear's ``(output, bias)``; ``inputs``: a module's ``(args, kwargs)``, whose
     first argument is) and a function that writes this rank's part of it back into
@@ -67,7 +107,7 @@ def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False
         args, kwargs = value
         if not args or not isinstance(args[0], torch.Tensor):
             return value, lambda: None
-        first, write_back = gather(args[0], split, ranks, rank)
+        first, write_back = gather(args[0], split, group)
         return ((first, *args[1:]), kwargs), write_back
     element = 0 if isinstance(value, tuple) else None
     x = value[0] if element is not None else value
@@ -75,19 +115,19 @@ def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False
         return value, lambda: None
     partial = split.kind == "partial"
     if partial:
-        whole = parallel.tp_all_reduce(x)
+        whole = group.all_reduce(x)
         before = whole.clone()
     else:
         sizes = _sizes(split.segments, x.shape[-1])
-        whole = _whole_sharded(x, sizes, ranks, split.replicas)
+        whole = _whole_sharded(x, sizes, group, split.replicas)
     served = (whole, *value[1:]) if element is not None else whole
 
     def write_back() -> None:  # (inference tensors keep no version counter: always, a copy)
         if partial:  # the caller sums the ranks' parts: rank 0 carries the change
-            if rank == 0:
+            if group.rank == 0:
                 x.add_(whole - before)
         else:
-            _write_sharded(x, whole, sizes, ranks, rank, split.replicas)
+            _write_sharded(x, whole, sizes, group.ranks, group.rank, split.replicas)
 
     return served, write_back
 
@@ -95,8 +135,9 @@ def gather(value: Any, split: Split, ranks: int, rank: int, inputs: bool = False
 class Splits:
     """Each location's split, looked up once per module."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.ranks, self.rank = parallel.tp_world()
+    def __init__(self, model: torch.nn.Module, group: Collectives | None):
+        self.group = group
+        self.ranks, self.rank = (group.ranks, group.rank) if group is not None else (1, 0)
         self._modules = {id(m): m for m in model.modules()} if self.ranks > 1 else {}
         self._known: dict[tuple, Split | None] = {}
 
@@ -109,7 +150,7 @@ class Splits:
             module = self._modules.get(key[0]) if len(key) == 2 else None
             io = "input" if key[-1] in ("input", "inputs") else "output"
             try:
-                found = parallel.shard_of(module, io) if module is not None else None
+                found = self.group.split_of(module, io) if module is not None else None
             except NotImplementedError as exc:
                 found = Split.refused(str(exc))
             self._known[key] = found
