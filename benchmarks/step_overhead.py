@@ -108,6 +108,7 @@ def run(config, extra: dict, n: int, steps: int) -> tuple[float, float]:
     step (blocks end, results are encoded), each less the median untraced forward."""
     from vllm import SamplingParams
 
+    from vllm_nnsight_plugin.boundary.worker_setup import worker_setup
     from vllm_nnsight_plugin.engine import lanes, taps
     from vllm_nnsight_plugin.engine.interleave import Interleaver
     from vllm_nnsight_plugin.engine.rows import StepLayout
@@ -116,7 +117,7 @@ def run(config, extra: dict, n: int, steps: int) -> tuple[float, float]:
     lanes.enable(512)
     root = Root()
     sites = taps.install(root, taps.from_settings({"taps": ["model.layers.8.output"]}))
-    inter = Interleaver(root, config, sites)
+    inter = Interleaver(root, worker_setup(root, config), sites)
     ids = [f"r{i}" for i in range(n)]
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     for req_id in ids:

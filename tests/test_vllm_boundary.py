@@ -126,12 +126,21 @@ def test_the_core_does_not_import_the_boundary():
     import vllm_nnsight_plugin
 
     root = pathlib.Path(vllm_nnsight_plugin.__file__).parent
+    boundary = "vllm_nnsight_plugin.boundary"
     found = []
     for package in ("engine", "payload"):
         for path in sorted((root / package).rglob("*.py")):
+            here = ["vllm_nnsight_plugin", *path.relative_to(root).parent.parts]
             for node in ast.walk(ast.parse(path.read_text())):
-                module = (node.module or "").split(".") if isinstance(node, ast.ImportFrom) else []
-                if "boundary" in module and (node.level or module[0] == "vllm_nnsight_plugin"):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    base = ".".join([*here[: len(here) - node.level + 1], *([node.module] if node.module else [])]) \
+                        if node.level else node.module
+                    names = [base, *(f"{base}.{a.name}" for a in node.names)]
+                else:
+                    continue
+                if any(n == boundary or n.startswith(boundary + ".") for n in names):
                     found.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not found, found
 

@@ -51,9 +51,9 @@ def _install_ablation() -> None:
     the front end holds the flag file, the part of the logits check it names is off."""
     import torch
 
-    from vllm_nnsight_plugin.engine import finite_logits, serving
+    from vllm_nnsight_plugin.engine import finite_logits, logits_serving
 
-    guard, check, collect = (serving.ValueServing.guard_logits, finite_logits.FiniteLogits.check,
+    guard, check, collect = (logits_serving.LogitsServing.guard_logits, finite_logits.FiniteLogits.check,
                              finite_logits.FiniteLogits.collect)
 
     def ablated() -> str:
@@ -82,7 +82,7 @@ def _install_ablation() -> None:
     def collected(self: object, wait: bool = True) -> list:
         return collect(self, wait and ablated() != "guardwait")  # guardwait: the last step's wait
 
-    serving.ValueServing.guard_logits = guard_logits
+    logits_serving.LogitsServing.guard_logits = guard_logits
     finite_logits.FiniteLogits.check = checked
     finite_logits.FiniteLogits.collect = collected
 

@@ -85,9 +85,22 @@ def model_width(vllm_config: Any) -> int | None:
         return None
 
 
+_parsed: dict[int, tuple[dict, Settings]] = {}  # id(section) -> (section, its settings)
+
+
 def settings(vllm_config: Any) -> Settings:
-    """The plugin's settings for this engine (parsed once, :mod:`..payload.settings`)."""
-    return settings_of(additional_config(vllm_config))
+    """The plugin's settings for this engine (:mod:`..payload.settings`), parsed once
+    per section (the front end asks for every traced request)."""
+    section = additional_config(vllm_config)
+    hit = _parsed.get(id(section))
+    if hit is not None and hit[0] is section:
+        return hit[1]
+    if len(_parsed) > 16:
+        _parsed.clear()
+    found = settings_of(section)
+    if section:  # (an absent section is a new {} each time: settings_of caches those)
+        _parsed[id(section)] = (section, found)
+    return found
 
 
 def additional_config(vllm_config: Any) -> dict:

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..payload import request_args
 from ..payload.errors import PayloadError
+from ..payload.keys import STREAM_KEY
 
 
 def stop_request(request: Any, reason: str) -> None:
@@ -20,7 +21,7 @@ def stop_request(request: Any, reason: str) -> None:
 def streams_saves(request: Any) -> bool:
     params = getattr(request, "sampling_params", None)
     try:
-        return request_args.parse(getattr(params, "extra_args", None)).stream
+        return request_args.flag(getattr(params, "extra_args", None) or {}, STREAM_KEY, False)  # (per step)
     except PayloadError:  # (refused by the front end; the worker fails such a request at admission)
         return False
 

@@ -78,8 +78,10 @@ def absent_modules(model: Any, position: tuple[bool, bool] | None = None) -> lis
     from ..hooks import arch_adapter
 
     first, last = pipeline_position() if position is None else position
-    adapter = arch_adapter(type(model).__name__)
-    at_end = (adapter.final_norm, adapter.unembed) if adapter is not None else ()
+    at_end: tuple[str, ...] = ()
+    if not (first and last):
+        adapter = arch_adapter(type(model).__name__)
+        at_end = tuple(p for p in (getattr(adapter, "final_norm", None), getattr(adapter, "unembed", None)) if p)
     return stage_absent(list(model.named_modules()), lambda m: isinstance(m, PPMissingLayer), first, last, at_end)
 
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import greenlet
 
-DEFAULT_TIME_LIMIT_S = 30.0
 POLL_S = 0.05
 TRIM_GROWTH = 256 << 20
 

@@ -41,7 +41,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.watchdog = budget.Watchdog(settings.code_time_limit_s)
         self.trimmer = budget.Trimmer()
         self.taps = settings.taps
-        # (path, kind) pairs the tap op serves in this (compiled) model (taps.on_model_loaded)
+        # (path, kind) pairs the tap op serves in this (compiled) model (boundary.tap_setup.on_model_loaded)
         self.tapped: set[tuple[str, str]] = set(tap_sites)
         self._tap_keys: dict[str, SiteKey] = {}  # tap site -> its location key (ValueServing._site_key)
         if self.tapped:

@@ -1,7 +1,8 @@
 """A request's ``extra_args`` (the wire keys of :mod:`.keys`) read by one rule, into
 one record. The front end parses every request's extra args, so a bad value is
-refused (:class:`PayloadError`, naming the key) before the engine; the engine parses
-them again, once per request (a few dict lookups). Torch-free, like :mod:`.keys`.
+refused (:class:`PayloadError`, naming the key) before the engine; the worker parses
+them again at admission, and the scheduler reads the stream flag alone (:func:`flag`).
+Torch-free, like :mod:`.keys`.
 
 The flags (``nnsight_stream``, ``nnsight_lower``) take ``True``/``False``, ``1``/``0``
 (an OpenAI request's ``vllm_xargs`` turn JSON ``false`` into ``0``) or the strings

@@ -38,7 +38,7 @@ class Settings:
     allow_code: bool  # code payloads over HTTP (remote code execution) accepted
     max_saved_bytes: int  # what one traced request may save
     max_saves: int
-    code_time_limit_s: float  # a code block's time budget per step; 0: none
+    code_time_limit_s: float  # a request's code blocks' time budget, over all its steps; 0: none
 
 
 def settings_of(section: dict[str, Any] | None) -> Settings:
