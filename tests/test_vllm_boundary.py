@@ -207,7 +207,8 @@ def test_late_results_ride_the_output_vllm_takes():
 
     late = {"a": {"error": {"message": "late a"}}, "b": {"error": {"message": "late b"}}}
     pending = Pending(output())
-    own = {"b": {"error": {"message": "the step's own"}}, "c": {"saves": {}}}
+    # (the step's entries are the worker's: every recorded request says "error", None if none)
+    own = {"a": {"saves": {}, "error": None}, "b": {"error": {"message": "the step's own"}}, "c": {"saves": {}}}
     runners.attach_results(pending, {k: dict(v) for k, v in own.items()})
     runners.attach_late_results(pending, lambda: late)
     assert runners.take_results(pending.model_runner_output) == own
@@ -216,7 +217,7 @@ def test_late_results_ride_the_output_vllm_takes():
     thread.start()
     thread.join()
     assert taken[0] is pending.model_runner_output
-    assert runners.take_results(taken[0]) == {"a": {"error": {"message": "late a"}}, **own}
+    assert runners.take_results(taken[0]) == {**own, "a": {"saves": {}, "error": {"message": "late a"}}}
     now = output()
     runners.attach_late_results(now, lambda: late)
     assert runners.take_results(now) == late

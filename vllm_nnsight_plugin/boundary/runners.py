@@ -238,10 +238,11 @@ def attach_late_results(runner_output: Any, late: Callable[[], dict]) -> None:
         found = late()
         if found:
             results = take_results(_inner_output(output)) or {}
-            for req_id, update in found.items():  # (an error the step recorded first stays)
-                entry = results.setdefault(req_id, {})
+            for req_id, update in found.items():  # (an error the step recorded first stays;
+                entry = results.setdefault(req_id, {})  # a step's entry says "error": None)
                 for key, value in update.items():
-                    entry.setdefault(key, value)
+                    if entry.get(key) is None:
+                        entry[key] = value
             attach_results(output, results)
         return output
 
