@@ -360,3 +360,63 @@ def test_batched_and_recorded_steering_equal_hf(llama, hf_llama):
     assert len(logits) == 1
     assert_close(logits[0], steered)
     assert (steered - HFRun(hf_llama, ids).logits()[-1]).abs().max() > 1e-2
+
+
+def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
+    """On a GPU the non-finite check's flags land after the step, so a request's last
+    step is read where vLLM takes the step's output (``runners.attach_late_results``).
+    Simulated by flags that have not landed when the step ends: the error reaches the
+    output vLLM takes, over the worker's own entry for that request (which says
+    ``"error": None``). The wiring under test: the logits guard, the step's close, the
+    merge into vLLM's async output."""
+    from vllm import SamplingParams
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    from vllm_nnsight_plugin.boundary import runners
+    from vllm_nnsight_plugin.boundary.runner_v1 import close_step
+    from vllm_nnsight_plugin.engine import finite_logits
+    from vllm_nnsight_plugin.engine.interleave import StepLayout
+
+    class NotLanded:  # (a CUDA event whose copy is still in flight; synchronize: it lands)
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    class Pending(AsyncModelRunnerOutput):  # (vLLM's interface for an output still being copied)
+        def __init__(self, inner):
+            self.model_runner_output = inner
+
+        def get_output(self):
+            return self.model_runner_output
+
+    model, inter = _toy()
+    finite = inter.finite
+
+    def check_on_a_device(logits, index, req_ids):  # FiniteLogits.check's GPU branch, flags not landed
+        found = finite.collect(wait=False)
+        part = logits if index is None else logits.index_select(0, index)
+        flags = (part.amax(dim=-1) < float("inf")).numpy().copy()
+        torch.nan_to_num(logits, neginf=float("-inf"), out=logits)
+        finite._pending.append((req_ids, finite_logits._Buffer(torch.from_numpy(flags), flags, NotLanded())))
+        return found
+
+    finite.check = check_on_a_device
+    blow_up = {"op": "scale", "module": "layers.1", "factor": 3e38, "steps": [1]}
+    inter.admit("a", {"nnsight": _toy_spec(blow_up)}, SamplingParams(max_tokens=2))
+    inter.admit("b", {"nnsight": _toy_spec({**blow_up, "factor": 1.0})}, SamplingParams(max_tokens=2))
+    spans = {"a": (0, 1), "b": (1, 2)}
+    x = 100 * torch.randn(2, 4)
+    outputs = []
+    for step in range(2):
+        inter.begin_step(StepLayout(spans, {"a": 0, "b": 1}, 2))
+        with torch.no_grad():
+            logits = model(x)
+        inter.guard_logits(logits)
+        pending = Pending(ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}))
+        close_step(inter, pending, {"a", "b"} if step == 1 else set())
+        outputs.append(pending.get_output())
+    last = runners.take_results(outputs[-1])
+    assert "NaN or inf by step 1" in last["a"]["error"]["message"]
+    assert last.get("b", {}).get("error") is None
