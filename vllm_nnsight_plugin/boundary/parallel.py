@@ -133,10 +133,16 @@ class TensorParallelGroup:
     rank: int
 
     def all_gather(self, x: Any) -> Any:
-        return tp_all_gather(x)
+        """Every rank's ``x`` side by side along the last dimension (a collective)."""
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return tensor_model_parallel_all_gather(x.contiguous(), -1)
 
     def all_reduce(self, x: Any) -> Any:
-        return tp_all_reduce(x)
+        """The sum of every rank's ``x`` (a collective)."""
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(x.clone())
 
     def split_of(self, module: Any, io: str) -> Split | None:
         return shard_of(module, io)
@@ -146,20 +152,6 @@ def tp_group() -> TensorParallelGroup | None:
     """This worker's group; None with one rank."""
     ranks, rank = tp_world()
     return TensorParallelGroup(ranks, rank) if ranks > 1 else None
-
-
-def tp_all_gather(x: Any) -> Any:
-    """Every rank's ``x`` side by side along the last dimension (a collective)."""
-    from vllm.distributed import tensor_model_parallel_all_gather
-
-    return tensor_model_parallel_all_gather(x.contiguous(), -1)
-
-
-def tp_all_reduce(x: Any) -> Any:
-    """The sum of every rank's ``x`` (a collective)."""
-    from vllm.distributed import tensor_model_parallel_all_reduce
-
-    return tensor_model_parallel_all_reduce(x.clone())
 
 
 def shard_of(module: Any, io: str) -> Split | None:

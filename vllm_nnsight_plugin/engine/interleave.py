@@ -37,7 +37,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.model = model
         self.setup = setup
         self.eager = setup.eager
-        self.settings = settings = setup.settings
+        settings = setup.settings
         self.watchdog = budget.Watchdog(settings.code_time_limit_s)
         self.trimmer = budget.Trimmer()
         self.taps = settings.taps
@@ -314,11 +314,11 @@ class Interleaver(Admission, ValueServing, LogitsServing):
             snap = session.snapshot()
             if snap is not None:
                 count, size = measure(snap)
-                if count > self.settings.max_saves or size > self.settings.max_saved_bytes:
+                if count > self.setup.settings.max_saves or size > self.setup.settings.max_saved_bytes:
                     self._unwait(session)
                     session.fail(
                         f"the block saved {count} values / {size} bytes, over this server's limits "
-                        f"({self.settings.max_saves} values, {self.settings.max_saved_bytes} bytes): "
+                        f"({self.setup.settings.max_saves} values, {self.setup.settings.max_saved_bytes} bytes): "
                         "save less (fewer steps or positions)"
                     )
                     snap = {}
