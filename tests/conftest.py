@@ -190,3 +190,17 @@ def generate_together(llm, prompts: list, params) -> list:
     assert first == set(ids), "the requests did not all take their first step together"
     return [done[req_id] for req_id in ids]
 
+
+def pending_output(inner):
+    """vLLM's ``AsyncModelRunnerOutput`` for ``inner`` (a ``ModelRunnerOutput`` still
+    being copied, as the V2 runner returns it): ``get_output`` hands it over."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    class Pending(AsyncModelRunnerOutput):
+        def __init__(self, inner):
+            self.model_runner_output = inner
+
+        def get_output(self):
+            return self.model_runner_output
+
+    return Pending(inner)

@@ -369,8 +369,9 @@ def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
     output vLLM takes, over the worker's own entry for that request (which says
     ``"error": None``). The wiring under test: the logits guard, the step's close, the
     merge into vLLM's async output."""
+    from conftest import pending_output
     from vllm import SamplingParams
-    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
 
     from vllm_nnsight_plugin.boundary import runners
     from vllm_nnsight_plugin.boundary.runner_v1 import close_step
@@ -383,13 +384,6 @@ def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
 
         def synchronize(self):
             pass
-
-    class Pending(AsyncModelRunnerOutput):  # (vLLM's interface for an output still being copied)
-        def __init__(self, inner):
-            self.model_runner_output = inner
-
-        def get_output(self):
-            return self.model_runner_output
 
     model, inter = _toy()
     finite = inter.finite
@@ -414,7 +408,7 @@ def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
         with torch.no_grad():
             logits = model(x)
         inter.guard_logits(logits)
-        pending = Pending(ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}))
+        pending = pending_output(ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}))
         close_step(inter, pending, {"a", "b"} if step == 1 else set())
         outputs.append(pending.get_output())
     last = runners.take_results(outputs[-1])

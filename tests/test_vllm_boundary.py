@@ -191,22 +191,16 @@ def test_late_results_ride_the_output_vllm_takes():
     recorded first; merged at once into an output that is not asynchronous."""
     import threading
 
-    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+    from conftest import pending_output
+    from vllm.v1.outputs import ModelRunnerOutput
 
     from vllm_nnsight_plugin.boundary import runners
-
-    class Pending(AsyncModelRunnerOutput):  # (vLLM's interface for an output still being copied; as V2's)
-        def __init__(self, inner):
-            self.model_runner_output = inner
-
-        def get_output(self):
-            return self.model_runner_output
 
     def output():
         return ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1})
 
     late = {"a": {"error": {"message": "late a"}}, "b": {"error": {"message": "late b"}}}
-    pending = Pending(output())
+    pending = pending_output(output())
     # (the step's entries are the worker's: every recorded request says "error", None if none)
     own = {"a": {"saves": {}, "error": None}, "b": {"error": {"message": "the step's own"}}, "c": {"saves": {}}}
     runners.attach_results(pending, {k: dict(v) for k, v in own.items()})
