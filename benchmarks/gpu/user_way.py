@@ -12,7 +12,9 @@ second stock engine), in alternating order; the pair's ratio is the workload's
 tokens/s over stock's. A round runs ``--pairs`` pairs of each workload, and rounds
 repeat until ``--seconds`` have passed; the table gives the median over every pair
 of the run, its bootstrap 95% interval, and the range. ``--batches K`` makes each
-measurement K batches of fresh prompts back to back; ``--pin`` gives each engine's processes their own CPU cores.
+measurement K batches of fresh prompts back to back; ``--pin`` gives each engine's processes their own CPU cores,
+and ``--rotate`` moves the engines to the next engine's cores every round (cores differ: in one run a second
+stock engine was 3% faster than the first on its own cores, so a fixed placement biases every ratio).
 Output tokens are counted from the outputs; any request that ended in an error, or
 did not run as the batched plan, fails the run.
 
@@ -206,12 +208,47 @@ def child(kind: str, memory: float) -> None:
         print("TIME " + json.dumps({"s": took, "tokens": sum(_check(name, o, plugin) for o in outputs)}), flush=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    """A process and every process below it (read from /proc: vLLM's engine core and
+    workers are its children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def pin_tree(pid: int, cores: list[int]) -> None:
+    """Every thread of a process tree onto ``cores``."""
+    for proc in _descendants(pid):
+        try:
+            tids = os.listdir(f"/proc/{proc}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except OSError:
+                pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=1, help="rounds at least")
     parser.add_argument("--seconds", type=float, default=0, help="more rounds until this much time has passed")
     parser.add_argument("--batches", type=int, default=1, help="batches of fresh prompts per measurement")
     parser.add_argument("--pin", action="store_true", help="each engine's processes on their own CPU cores")
+    parser.add_argument("--rotate", action="store_true", help="with --pin: each round, every engine moves to the "
+                                                               "next engine's cores (no engine keeps the best ones)")
     parser.add_argument("--memory", type=float, default=0.3)
     parser.add_argument("--engines", default="stock,stock2,plugin",
                         help="stock2: a second stock engine, to show how far two identical engines differ; "
@@ -232,6 +269,7 @@ def main() -> None:
     kinds = args.engines.split(",")
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // len(kinds)
+    core_sets = [cores[n * share:(n + 1) * share] for n in range(len(kinds))]
     for n, kind in enumerate(kinds):
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING",
                    VLLM_NNSIGHT_DISABLE="0" if kind in ("plugin", "idle") else "1")
@@ -240,7 +278,7 @@ def main() -> None:
         err = open(os.path.join(out_dir, f"user_way-{kind}.stderr"), "w")
         pin = []
         if args.pin:  # (children inherit the affinity: the engine core and its worker too)
-            pin = ["taskset", "-c", ",".join(map(str, cores[n * share:(n + 1) * share]))]
+            pin = ["taskset", "-c", ",".join(map(str, core_sets[n]))]
         proc = subprocess.Popen([*pin, sys.executable, __file__, "--child", kind, "--memory", str(args.memory)],
                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                                 bufsize=1)
@@ -269,6 +307,10 @@ def main() -> None:
     rnd = 0
     while rnd < args.reps or time.time() - start < args.seconds:
         pairs: dict[str, list[dict]] = {}
+        if args.pin and args.rotate:
+            placed = {kind: (kinds.index(kind) + rnd) % len(kinds) for kind in procs}
+            for kind, (proc, _) in procs.items():
+                pin_tree(proc.pid, core_sets[placed[kind]])
         for i, (kind, name) in enumerate(measured):
             for attempt in range(args.pairs):  # (fresh prompts each pair: no prefix-cache hits)
                 seed = 1000 * (rnd + 1) + 10 * i + attempt
@@ -280,6 +322,7 @@ def main() -> None:
                     got = timed(procs[kind][0], name, seed)
                 pairs.setdefault(f"{kind}:{name}", []).append(
                     {"stock": base, "run": got, "stock_first": not (rnd + attempt) % 2,
+                     **({"cores": {"stock": placed["stock"], kind: placed[kind]}} if args.pin and args.rotate else {}),
                      "ratio": (got["tokens"] / got["s"]) / (base["tokens"] / base["s"])})
         rounds.append(pairs)
         rnd += 1
