@@ -131,3 +131,34 @@ def test_a_value_put_into_a_saved_list_is_kept_as_it_was(llama, hf_llama):
     run.logits()
     assert_close(rows[0], run.records["mlp1"][-1])
     assert_close(named["last"], run.records["mlp1"][-1])
+
+
+def test_invokes_of_one_body_share_their_sampling_params(llama, monkeypatch):
+    """Invokes of one body with the same values and keywords hand vLLM one
+    SamplingParams, as a stock generate() over many prompts does (vLLM copies it per
+    request); an invoke's own keywords get params of their own, and every request
+    still gets its own values and saves."""
+    engine = llama.vllm_entrypoint
+    seen: list = []
+    generate = engine.generate
+
+    def spy(prompts, params, *args, **kwargs):
+        seen.append(params)
+        return generate(prompts, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", spy)
+    with llama.trace(temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+        for prompt in PROMPTS:
+            with tracer.invoke(prompt):
+                hidden = llama.model.layers[1].output[0].save()  # noqa: F841
+        with tracer.invoke(PROMPTS[0], max_tokens=3):
+            hidden = llama.model.layers[1].output[0].save()  # noqa: F841
+    params = seen[-1]
+    assert all(p is params[0] for p in params[:len(PROMPTS)]) and params[-1] is not params[0]
+    assert [p.max_tokens for p in (params[0], params[-1])] == [2, 3]
+    outs = tracer.outputs
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2] * len(PROMPTS) + [3]
+    rows = [o.saves["hidden"] for o in outs]
+    assert [r.shape[0] for r in rows[:len(PROMPTS)]] == [len(o.prompt_token_ids) for o in outs[:len(PROMPTS)]]
+    assert rows[0].shape != rows[1].shape or not torch.equal(rows[0], rows[1])
+    assert_close(rows[-1], rows[0])

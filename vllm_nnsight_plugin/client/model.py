@@ -288,13 +288,19 @@ class VLLM(Envoy):
         self.dispatch()
         self._check_paths(invokes, self._tree)
         prompts, params = [], []
+        last: tuple[dict, Any] | None = None  # (the previous invoke's keywords, its params)
         for inv in invokes:
             kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
             extra = dict(kw.pop("extra_args", None) or {})
             payload = self._payload(inv)
             if payload is not None:
                 extra[codec.PAYLOAD_KEY] = payload
-            params.append(sampling_params(**kw, extra_args=extra or None))
+            kw["extra_args"] = extra or None
+            # invokes of one body and the same values share one SamplingParams, as a stock
+            # generate() over many prompts does (vLLM copies it per request)
+            if last is None or last[0] != kw:
+                last = (kw, sampling_params(**kw))
+            params.append(last[1])
             prompts.append(to_prompt(inv.prompt))
         outputs = self._engine().generate(prompts, params, use_tqdm=False)
         for output in outputs:
