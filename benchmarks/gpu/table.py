@@ -78,8 +78,8 @@ def user_way(path: str) -> str:
         rounds = json.load(fh)["rounds"]
     out = [f"{path}: ratio to stock graphs per pair",
            "| workload | pairs | median ratio | 95% interval (bootstrap) |", "|---|---:|---:|---|"]
-    for key in rounds[0]:
-        ratios = [p["ratio"] for r in rounds for p in r[key]]
+    for key in dict.fromkeys(k for r in rounds for k in r):  # (with both baselines a round holds one of them)
+        ratios = [p["ratio"] for r in rounds for p in r.get(key, ())]
         low, high = median_interval(ratios)
         out.append(f"| {key} | {len(ratios)} | {statistics.median(ratios):.2f} | {low:.2f}-{high:.2f} |")
     return "\n".join(out)

@@ -14,7 +14,9 @@ repeat until ``--seconds`` have passed; the table gives the median over every pa
 of the run, its bootstrap 95% interval, and the range. ``--batches K`` makes each
 measurement K batches of fresh prompts back to back; ``--pin`` gives each engine's processes their own CPU cores,
 and ``--rotate`` moves the engines to the next engine's cores every round (cores differ: in one run a second
-stock engine was 3% faster than the first on its own cores, so a fixed placement biases every ratio).
+stock engine was 3% faster than the first on its own cores, so a fixed placement biases every ratio), and
+``--both-baselines`` pairs each workload with the two stock engines in turn (the first stock engine was 3-4%
+slower than the second in every run, rotated too: the table then gives each baseline's rows and both pooled).
 Output tokens are counted from the outputs; any request that ended in an error, or
 did not run as the batched plan, fails the run.
 
@@ -249,6 +251,9 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="each engine's processes on their own CPU cores")
     parser.add_argument("--rotate", action="store_true", help="with --pin: each round, every engine moves to the "
                                                                "next engine's cores (no engine keeps the best ones)")
+    parser.add_argument("--both-baselines", action="store_true",
+                        help="with stock2: every workload but the stock2 control is paired with stock and stock2 "
+                             "in turn")
     parser.add_argument("--memory", type=float, default=0.3)
     parser.add_argument("--engines", default="stock,stock2,plugin",
                         help="stock2: a second stock engine, to show how far two identical engines differ; "
@@ -293,10 +298,10 @@ def main() -> None:
         print(f"{kind} ready in {ready['init_s']:.0f}s", flush=True)
         procs[kind] = (proc, ready["workloads"])
     rounds: list[dict[str, dict]] = []
-    stock = procs["stock"][0]
     wanted = set(args.workloads.split(",")) if args.workloads else None
     measured = [(kind, name) for kind, (_, workloads) in procs.items() for name in workloads
                 if kind != "stock" and (wanted is None or name in wanted)]
+    bases = ["stock", "stock2"] if args.both_baselines and "stock2" in procs else ["stock"]
 
     def timed(proc: Any, name: str, seed: int) -> dict:
         proc.stdin.write(f"{name} {seed} {args.batches}\n")
@@ -314,15 +319,19 @@ def main() -> None:
         for i, (kind, name) in enumerate(measured):
             for attempt in range(args.pairs):  # (fresh prompts each pair: no prefix-cache hits)
                 seed = 1000 * (rnd + 1) + 10 * i + attempt
+                base_kind = "stock" if kind == "stock2" else bases[(rnd + attempt) // 2 % len(bases)]
+                baseline = procs[base_kind][0]
                 if (rnd + attempt) % 2:  # (alternate which runs first: no bias from the order)
                     got = timed(procs[kind][0], name, seed)
-                    base = timed(stock, "plain", seed)
+                    base = timed(baseline, "plain", seed)
                 else:
-                    base = timed(stock, "plain", seed)
+                    base = timed(baseline, "plain", seed)
                     got = timed(procs[kind][0], name, seed)
-                pairs.setdefault(f"{kind}:{name}", []).append(
-                    {"stock": base, "run": got, "stock_first": not (rnd + attempt) % 2,
-                     **({"cores": {"stock": placed["stock"], kind: placed[kind]}} if args.pin and args.rotate else {}),
+                key = f"{kind}:{name}" + (f" vs {base_kind}" if len(bases) > 1 and kind != "stock2" else "")
+                pairs.setdefault(key, []).append(
+                    {"stock": base, "run": got, "stock_first": not (rnd + attempt) % 2, "base": base_kind,
+                     **({"cores": {base_kind: placed[base_kind], kind: placed[kind]}}
+                        if args.pin and args.rotate else {}),
                      "ratio": (got["tokens"] / got["s"]) / (base["tokens"] / base["s"])})
         rounds.append(pairs)
         rnd += 1
@@ -333,10 +342,15 @@ def main() -> None:
         proc.wait(timeout=120)
 
     def every(key: str) -> list[dict]:
-        return [p for r in rounds for p in r[key]]
+        if key.endswith(" vs both"):  # (both baselines' pairs, pooled)
+            return [p for r in rounds for k, v in r.items() if k.rsplit(" vs ", 1)[0] == key[:-8] for p in v]
+        return [p for r in rounds for p in r.get(key, ())]
 
+    keys = list(dict.fromkeys(k for r in rounds for k in r))
+    if len(bases) > 1:
+        keys += list(dict.fromkeys(k.rsplit(" vs ", 1)[0] + " vs both" for k in keys if " vs " in k))
     table = {}
-    for k in rounds[0]:
+    for k in keys:
         ratios = [p["ratio"] for p in every(k)]
         table[k] = {"tok_s": statistics.median(p["run"]["tokens"] / p["run"]["s"] for p in every(k)),
                     "stock_tok_s": statistics.median(p["stock"]["tokens"] / p["stock"]["s"] for p in every(k)),
