@@ -136,8 +136,8 @@ def test_a_value_put_into_a_saved_list_is_kept_as_it_was(llama, hf_llama):
 def test_invokes_of_one_body_share_their_sampling_params(llama, monkeypatch):
     """Invokes of one body with the same values and keywords hand vLLM one
     SamplingParams, as a stock generate() over many prompts does (vLLM copies it per
-    request); an invoke's own keywords get params of their own, and every request
-    still gets its own values and saves."""
+    request); an invoke's own keywords, or its own values, get params of their own, and
+    every request keeps its own values and saves."""
     engine = llama.vllm_entrypoint
     seen: list = []
     generate = engine.generate
@@ -147,18 +147,29 @@ def test_invokes_of_one_body_share_their_sampling_params(llama, monkeypatch):
         return generate(prompts, params, *args, **kwargs)
 
     monkeypatch.setattr(engine, "generate", spy)
+    invokes = [(PROMPTS[0], {}, 1.0), (PROMPTS[1], {}, 1.0), (PROMPTS[0], {"max_tokens": 3}, 1.0),
+               (PROMPTS[1], {}, 2.0)]
     with llama.trace(temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
-        for prompt in PROMPTS:
-            with tracer.invoke(prompt):
-                hidden = llama.model.layers[1].output[0].save()  # noqa: F841
-        with tracer.invoke(PROMPTS[0], max_tokens=3):
-            hidden = llama.model.layers[1].output[0].save()  # noqa: F841
+        for prompt, kw, scale in invokes:
+            with tracer.invoke(prompt, **kw):
+                hidden = (llama.model.layers[1].output[0] * scale).save()  # noqa: F841
     params = seen[-1]
-    assert all(p is params[0] for p in params[:len(PROMPTS)]) and params[-1] is not params[0]
-    assert [p.max_tokens for p in (params[0], params[-1])] == [2, 3]
+    assert params[1] is params[0]  # same body, values and keywords
+    assert params[2] is not params[1] and params[2].max_tokens == 3  # its own keywords
+    assert params[3] is not params[1]  # its own value of scale
     outs = tracer.outputs
-    assert [len(o.outputs[0].token_ids) for o in outs] == [2] * len(PROMPTS) + [3]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2, 3, 2]
     rows = [o.saves["hidden"] for o in outs]
-    assert [r.shape[0] for r in rows[:len(PROMPTS)]] == [len(o.prompt_token_ids) for o in outs[:len(PROMPTS)]]
-    assert rows[0].shape != rows[1].shape or not torch.equal(rows[0], rows[1])
-    assert_close(rows[-1], rows[0])
+    assert_close(rows[2], rows[0])
+    assert_close(rows[3], 2 * rows[1])
+
+
+def test_keywords_whose_equality_is_not_one_bool_are_not_shared():
+    """Arrays or tensors among an invoke's keywords (say a per-prompt array) compare as
+    different: never an error, never a shared SamplingParams."""
+    from vllm_nnsight_plugin.client.model import _same_keywords
+
+    assert _same_keywords({"seed": 1, "extra_args": {"a": "x"}}, {"seed": 1, "extra_args": {"a": "x"}})
+    assert not _same_keywords({"extra_args": {"v": torch.ones(2)}}, {"extra_args": {"v": torch.ones(2)}})
+    assert not _same_keywords({"ids": torch.ones(2).numpy()}, {"ids": torch.ones(2).numpy()})
+    assert not _same_keywords({"seed": 1}, {"seed": 2})

@@ -13,10 +13,10 @@ tokens/s over stock's. A round runs ``--pairs`` pairs of each workload, and roun
 repeat until ``--seconds`` have passed; the table gives the median over every pair
 of the run, its bootstrap 95% interval, and the range. ``--batches K`` makes each
 measurement K batches of fresh prompts back to back; ``--pin`` gives each engine's processes their own CPU cores,
-and ``--rotate`` moves the engines to the next engine's cores every round (cores differ: in one run a second
-stock engine was 3% faster than the first on its own cores, so a fixed placement biases every ratio), and
-``--both-baselines`` pairs each workload with the two stock engines in turn (the first stock engine was 3-4%
-slower than the second in every run, rotated too: the table then gives each baseline's rows and both pooled).
+and ``--rotate`` moves the engines to the next engine's cores every round (an engine ran fastest on the cores
+it started on), and ``--both-baselines`` pairs each workload with the two stock engines in turn (a second stock
+engine's median ratio to the first was 1.03-1.04 in every run, rotated too: the table then gives each
+baseline's rows and both pooled).
 Output tokens are counted from the outputs; any request that ended in an error, or
 did not run as the batched plan, fails the run.
 
@@ -268,6 +268,10 @@ def main() -> None:
     if args.child:
         child(args.child, args.memory)
         return
+    if args.rotate and not args.pin:
+        parser.error("--rotate moves pinned engines: add --pin")
+    if args.both_baselines and "stock2" not in args.engines.split(","):
+        parser.error("--both-baselines needs a second stock engine: add stock2 to --engines")
     headline.make_config()
     out_dir = os.environ.get("OUT", ".")
     procs = {}

@@ -298,7 +298,7 @@ class VLLM(Envoy):
             kw["extra_args"] = extra or None
             # invokes of one body and the same values share one SamplingParams, as a stock
             # generate() over many prompts does (vLLM copies it per request)
-            if last is None or last[0] != kw:
+            if last is None or not _same_keywords(last[0], kw):
                 last = (kw, sampling_params(**kw))
             params.append(last[1])
             prompts.append(to_prompt(inv.prompt))
@@ -332,6 +332,15 @@ class VLLM(Envoy):
 
 _engines_up = 0  # engines this process dispatched and has not shut down
 _exiting = False
+
+
+def _same_keywords(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two invokes' sampling keywords are equal (values such as arrays or
+    tensors, whose ``==`` does not give one bool, count as different)."""
+    try:
+        return bool(a == b)
+    except (ValueError, RuntimeError, TypeError):
+        return False
 
 
 def _freeze_startup_heap() -> None:
