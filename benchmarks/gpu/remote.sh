@@ -61,7 +61,9 @@ case "$what" in
       PYTHONPATH=benchmarks/gpu:$PYTHONPATH python3 -c "import headline; headline.make_config()"  # (then copied)
       python3 .whl/anchors/make_tok.py /tmp/models
     fi
-    OUT="$OUT" python3 benchmarks/gpu/user_way.py "$@" 2>&1 | tee "$OUT/user_way.log" ;;
+    # the cores' NUMA nodes (where an engine is pinned moves its speed: README, Method)
+    { lscpu 2>/dev/null | grep -iE "^(CPU\(s\)|Model name|NUMA)" || true; } | tee "$OUT/user_way.log"
+    OUT="$OUT" python3 benchmarks/gpu/user_way.py "$@" 2>&1 | tee -a "$OUT/user_way.log" ;;
   gather)
     python3 benchmarks/gpu/gather_bench.py "$@" 2>&1 | tee "$OUT/gather.log" ;;
   anchors)  # row 6 beside a stock-with-graphs reference (needs a bundle built with ANCHORS=1)
