@@ -78,8 +78,12 @@ def user_way(path: str) -> str:
         rounds = json.load(fh)["rounds"]
     out = [f"{path}: ratio to stock graphs per pair",
            "| workload | pairs | median ratio | 95% interval (bootstrap) |", "|---|---:|---:|---|"]
-    for key in dict.fromkeys(k for r in rounds for k in r):  # (with both baselines a round holds one of them)
-        ratios = [p["ratio"] for r in rounds for p in r.get(key, ())]
+    keys = list(dict.fromkeys(k for r in rounds for k in r))  # (with both baselines a round holds one of them)
+    pooled_keys = list(dict.fromkeys(k.rsplit(" vs ", 1)[0] for k in keys if " vs " in k))
+    for key in keys + [k + " vs both" for k in pooled_keys]:
+        base = key[: -len(" vs both")] if key.endswith(" vs both") else None
+        ratios = [p["ratio"] for r in rounds for k, v in r.items()
+                  if (k.rsplit(" vs ", 1)[0] == base if base else k == key) for p in v]
         low, high = median_interval(ratios)
         out.append(f"| {key} | {len(ratios)} | {statistics.median(ratios):.2f} | {low:.2f}-{high:.2f} |")
     return "\n".join(out)
