@@ -91,16 +91,6 @@ if __name__ != "__main__":
     _install_ablation()
 
 
-def _descendants(pid: int) -> list[int]:
-    """The engine core and, where the executor spawns them, its workers."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            kids = [int(p) for p in fh.read().split()]
-    except OSError:
-        return []
-    return [d for k in kids for d in [k, *_descendants(k)]]
-
-
 def _short(frame: str) -> str:
     """``func (dir/file.py:12)`` without the directories."""
     return re.sub(r"\(.*/", "(", frame)
@@ -189,7 +179,7 @@ def main() -> None:
     me = os.getpid()
     processes = [("front end", me)] + [
         (f"process {p} ({open(f'/proc/{p}/comm').read().strip()})", p)
-        for p in _descendants(me) if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+        for p in user_way.descendants(me) if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
     raw_dir = tempfile.mkdtemp(prefix="spy-")  # (raw stacks: only the tables are kept)
     from vllm.v1.engine import core_client
 

@@ -72,18 +72,32 @@ def median_interval(ratios: list[float], rng: random.Random | None = None) -> tu
     return boot[100], boot[3899]
 
 
+BOTH = " vs both"  # a --both-baselines run's pooled rows: "plugin:plain vs both"
+
+
+def pair_keys(rounds: list[dict]) -> list[str]:
+    """A ``user_way.py`` run's workload keys in order (with ``--both-baselines`` a round
+    holds one baseline's key per workload, "plugin:plain vs stock"), then a pooled key
+    per workload measured against both baselines."""
+    keys = list(dict.fromkeys(k for r in rounds for k in r))
+    return keys + list(dict.fromkeys(k.rsplit(" vs ", 1)[0] + BOTH for k in keys if " vs " in k))
+
+
+def pairs_for(rounds: list[dict], key: str) -> list[dict]:
+    """The pairs of a key of :func:`pair_keys` (a pooled key: both baselines' pairs)."""
+    if key.endswith(BOTH):
+        return [p for r in rounds for k, v in r.items() if k.rsplit(" vs ", 1)[0] == key[: -len(BOTH)] for p in v]
+    return [p for r in rounds for p in r.get(key, ())]
+
+
 def user_way(path: str) -> str:
     """A ``user_way.py`` run's pairs as a table: median ratio and its bootstrap interval."""
     with open(path) as fh:
         rounds = json.load(fh)["rounds"]
     out = [f"{path}: ratio to stock graphs per pair",
            "| workload | pairs | median ratio | 95% interval (bootstrap) |", "|---|---:|---:|---|"]
-    keys = list(dict.fromkeys(k for r in rounds for k in r))  # (with both baselines a round holds one of them)
-    pooled_keys = list(dict.fromkeys(k.rsplit(" vs ", 1)[0] for k in keys if " vs " in k))
-    for key in keys + [k + " vs both" for k in pooled_keys]:
-        base = key[: -len(" vs both")] if key.endswith(" vs both") else None
-        ratios = [p["ratio"] for r in rounds for k, v in r.items()
-                  if (k.rsplit(" vs ", 1)[0] == base if base else k == key) for p in v]
+    for key in pair_keys(rounds):
+        ratios = [p["ratio"] for p in pairs_for(rounds, key)]
         low, high = median_interval(ratios)
         out.append(f"| {key} | {len(ratios)} | {statistics.median(ratios):.2f} | {low:.2f}-{high:.2f} |")
     return "\n".join(out)

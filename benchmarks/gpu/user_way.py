@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import headline  # noqa: E402  (the model's config and size)
-from table import median_interval  # noqa: E402
+from table import median_interval, pair_keys, pairs_for  # noqa: E402
 
 LAYER = 8
 OLEN = headline.OLEN  # (a block's names travel by value: an int, not the module)
@@ -210,28 +210,20 @@ def child(kind: str, memory: float) -> None:
         print("TIME " + json.dumps({"s": took, "tokens": sum(_check(name, o, plugin) for o in outputs)}), flush=True)
 
 
-def _descendants(pid: int) -> list[int]:
-    """A process and every process below it (read from /proc: vLLM's engine core and
-    workers are its children)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
-    return found
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (vLLM's engine core and, where the executor spawns
+    them, its workers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            kids = [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+    return [d for k in kids for d in [k, *descendants(k)]]
 
 
 def pin_tree(pid: int, cores: list[int]) -> None:
     """Every thread of a process tree onto ``cores``."""
-    for proc in _descendants(pid):
+    for proc in [pid, *descendants(pid)]:
         try:
             tids = os.listdir(f"/proc/{proc}/task")
         except OSError:
@@ -345,19 +337,12 @@ def main() -> None:
         proc.stdin.close()
         proc.wait(timeout=120)
 
-    def every(key: str) -> list[dict]:
-        if key.endswith(" vs both"):  # (both baselines' pairs, pooled)
-            return [p for r in rounds for k, v in r.items() if k.rsplit(" vs ", 1)[0] == key[:-8] for p in v]
-        return [p for r in rounds for p in r.get(key, ())]
-
-    keys = list(dict.fromkeys(k for r in rounds for k in r))
-    if len(bases) > 1:
-        keys += list(dict.fromkeys(k.rsplit(" vs ", 1)[0] + " vs both" for k in keys if " vs " in k))
     table = {}
-    for k in keys:
-        ratios = [p["ratio"] for p in every(k)]
-        table[k] = {"tok_s": statistics.median(p["run"]["tokens"] / p["run"]["s"] for p in every(k)),
-                    "stock_tok_s": statistics.median(p["stock"]["tokens"] / p["stock"]["s"] for p in every(k)),
+    for k in pair_keys(rounds):
+        pairs_k = pairs_for(rounds, k)
+        ratios = [p["ratio"] for p in pairs_k]
+        table[k] = {"tok_s": statistics.median(p["run"]["tokens"] / p["run"]["s"] for p in pairs_k),
+                    "stock_tok_s": statistics.median(p["stock"]["tokens"] / p["stock"]["s"] for p in pairs_k),
                     "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                     "ratio_interval": list(median_interval(ratios))}
     print(f"\n{len(rounds)} rounds x {args.pairs} pairs x {args.batches} batches of {headline.N} prompts"
