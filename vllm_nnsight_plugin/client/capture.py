@@ -4,7 +4,7 @@ The body of ``with model.trace(...):`` must run inside vLLM's worker, beside the
 forward pass, not in the caller. On ``__enter__`` we find the ``with`` statement in
 the caller's source (``linecache`` also holds notebook cells), cut out its body
 with its original line numbers, and make the body's first line raise
-:class:`SkipBlock` through a frame trace function; ``__exit__`` swallows it.
+:class:`SkipBlock` through a line event (:class:`BodySkipper`); ``__exit__`` swallows it.
 After the engine ran the block, :func:`push_locals` writes the saved values into
 the caller's variables.
 """
@@ -120,14 +120,23 @@ def gather_values(frame: FrameType, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 class BodySkipper:
-    """Makes the first line of a with-body raise :class:`SkipBlock`."""
+    """Makes the first line of a with-body raise :class:`SkipBlock`.
+
+    On Python 3.12+ through ``sys.monitoring`` line events local to the caller's code
+    object: ``sys.settrace`` there re-instruments every code object run after each
+    switch, twice per invoke (a trace of 256 invokes paid for it in every function
+    the client ran). Older Pythons, or no free monitoring tool id: ``sys.settrace``."""
 
     def __init__(self, frame: FrameType, body_line: int):
         self.frame = frame
         self.body_line = body_line  # a multi-line with-header has line events before the body
         self._previous = sys.gettrace()
+        self._monitored = _LineSkips.get()
 
     def arm(self) -> None:
+        if self._monitored is not None:
+            self._monitored.add(self)
+            return
         sys.settrace(lambda *args: None)
         self.frame.f_trace_lines = True
         self.frame.f_trace = self._trace
@@ -139,8 +148,64 @@ class BodySkipper:
         return self._trace
 
     def disarm(self) -> None:
+        if self._monitored is not None:
+            self._monitored.discard(self)
+            return
         self.frame.f_trace = None
         sys.settrace(self._previous)
+
+
+class _LineSkips:
+    """The armed skippers, by code object, behind one ``sys.monitoring`` LINE callback
+    (events on only the code objects that hold an armed with-body). The callback never
+    returns ``DISABLE``: a line skipped past now may hold the next invoke's body."""
+
+    _instance: _LineSkips | None = None
+    _tried = False
+
+    def __init__(self, tool: int) -> None:
+        self.tool = tool
+        self.armed: dict[Any, list[BodySkipper]] = {}  # code object -> skippers on it
+
+    @classmethod
+    def get(cls) -> _LineSkips | None:
+        if not cls._tried:
+            cls._tried = True
+            monitoring = getattr(sys, "monitoring", None)
+            for tool in (4, 3):  # (0-2 and 5 are the debugger's, coverage's, profiler's, optimizer's)
+                if monitoring is not None and monitoring.get_tool(tool) is None:
+                    monitoring.use_tool_id(tool, "vllm-nnsight-plugin")
+                    cls._instance = cls(tool)
+                    monitoring.register_callback(tool, monitoring.events.LINE, cls._instance._line)
+                    break
+        return cls._instance
+
+    def add(self, skipper: BodySkipper) -> None:
+        code = skipper.frame.f_code
+        on = self.armed.setdefault(code, [])
+        if not on:
+            sys.monitoring.set_local_events(self.tool, code, sys.monitoring.events.LINE)
+        on.append(skipper)
+
+    def discard(self, skipper: BodySkipper) -> None:
+        code = skipper.frame.f_code
+        on = self.armed.get(code)
+        if on is None or skipper not in on:
+            return
+        on.remove(skipper)
+        if not on:
+            del self.armed[code]
+            sys.monitoring.set_local_events(self.tool, code, 0)
+
+    def _line(self, code: Any, line: int) -> None:
+        on = self.armed.get(code)
+        if not on:
+            return
+        frame = sys._getframe(1)  # (the frame running the line: the callback's caller)
+        for skipper in on:
+            if skipper.frame is frame and line >= skipper.body_line:
+                self.discard(skipper)
+                raise SkipBlock()
 
 
 def push_locals(frame: FrameType, values: dict[str, Any]) -> None:
