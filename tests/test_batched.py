@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import generate_together
 from vllm import SamplingParams
@@ -388,12 +389,12 @@ def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
     model, inter = _toy()
     finite = inter.finite
 
-    def check_on_a_device(logits, index, req_ids):  # FiniteLogits.check's GPU branch, flags not landed
+    def check_on_a_device(logits, index, req_ids):  # FiniteLogits.check's GPU branch, maxima not landed
         found = finite.collect(wait=False)
         part = logits if index is None else logits.index_select(0, index)
-        flags = (part.amax(dim=-1) < float("inf")).numpy().copy()
+        maxima = part.amax(dim=-1).numpy().copy()
         torch.nan_to_num(logits, neginf=float("-inf"), out=logits)
-        finite._pending.append((req_ids, finite_logits._Buffer(torch.from_numpy(flags), flags, NotLanded())))
+        finite._pending.append((req_ids, finite_logits._Buffer(torch.from_numpy(maxima), maxima, NotLanded())))
         return found
 
     finite.check = check_on_a_device
@@ -414,3 +415,31 @@ def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
     last = runners.take_results(outputs[-1])
     assert "NaN or inf by step 1" in last["a"]["error"]["message"]
     assert last.get("b", {}).get("error") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logits_guard_names_the_rows_that_were_not_finite(dtype):
+    """NaN or +inf in a row: that request is named and its row made finite; a row whose
+    only non-finite values are -inf (a mask) is kept as it is. The maxima a GPU copies
+    to the host read the same, bfloat16 included (numpy has none)."""
+    from vllm_nnsight_plugin.engine import finite_logits
+
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, nan, 0.0], [-inf, 0.5, -inf], [inf, 0.0, 1.0]], dtype=dtype)
+    guard = finite_logits.FiniteLogits()
+    assert guard.check(logits.clone(), None, ["a", "b", "c", "d"]) == ["b", "d"]
+    part = logits.clone()
+    assert guard.check(part, torch.tensor([1, 2]), ["b", "c"]) == ["b"]
+    assert torch.isfinite(part[1]).all() and torch.equal(part[2], logits[2]) and torch.isinf(part[3, 0])
+    whole = logits.clone()
+    guard.check(whole, None, ["a", "b", "c", "d"])
+    assert torch.isfinite(whole[[0, 1, 3]]).all() and torch.equal(whole[2], logits[2])
+
+    class Landed:
+        def query(self):
+            return True
+
+    maxima = logits.amax(dim=-1)
+    view = maxima.numpy() if dtype == torch.float32 else None
+    guard._pending.append((["a", "b", "c", "d"], finite_logits._Buffer(maxima, view, Landed())))
+    assert guard.collect(wait=False) == ["b", "d"]

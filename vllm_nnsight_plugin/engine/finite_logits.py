@@ -26,14 +26,15 @@ class FiniteLogits:
     step while the GPU runs this one, and one wait per step would undo that).
 
     A row is bad when its maximum is NaN or +inf (the maximum propagates NaN): one
-    reduction, one comparison and one in-place pass per step, whatever the batch. The
-    engine core's step loop is CPU-bound, so the host side does no torch work: pinned
-    buffers and their events are reused (a steady batch allocates nothing per step)
-    and the landed flags are read through numpy views."""
+    reduction and one in-place pass per step, whatever the batch; the maxima cross to
+    the host and are compared there. The engine core's step loop is CPU-bound, so each
+    torch call counts: pinned buffers of the batch's size and their events are reused
+    (a steady batch allocates nothing per step) and the landed maxima are read through
+    numpy views."""
 
     def __init__(self) -> None:
         self._pending: deque[tuple[list[str], _Buffer]] = deque()  # oldest first
-        self._spare: list[_Buffer] = []
+        self._spare: deque[_Buffer] = deque(maxlen=8)  # (the oldest size goes first)
 
     def check(self, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str]) -> list[str]:
         """Make the logits rows at ``index`` (those of ``req_ids``; None: every row, in
@@ -44,26 +45,30 @@ class FiniteLogits:
             return found
         part = logits if index is None else logits.index_select(0, index)
         # (-inf is a mask some models' logits carry: kept, and not an error)
-        finite = part.amax(dim=-1) < float("inf")
+        maxima = part.amax(dim=-1)
         if index is None:
             torch.nan_to_num(logits, neginf=float("-inf"), out=logits)
         else:
             logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
-        if finite.device.type != "cuda":
-            return found + _bad(req_ids, finite.numpy())
-        buffer = self._buffer(len(req_ids))
-        buffer.host[:len(req_ids)].copy_(finite, non_blocking=True)
+        if maxima.device.type != "cuda":
+            return found + _bad(req_ids, maxima.float().numpy())
+        buffer = self._buffer(len(req_ids), maxima.dtype)
+        buffer.host.copy_(maxima, non_blocking=True)
         buffer.event.record()
         self._pending.append((req_ids, buffer))
         return found
 
-    def _buffer(self, rows: int) -> _Buffer:
+    def _buffer(self, rows: int, dtype: torch.dtype) -> _Buffer:
         spare = self._spare
         for i in range(len(spare)):
-            if len(spare[i].flags) >= rows:
-                return spare.pop(i)
-        host = torch.empty(max(rows, 256), dtype=torch.bool, pin_memory=True)
-        return _Buffer(host, host.numpy(), torch.cuda.Event())
+            buffer = spare[i]
+            if buffer.host.shape[0] == rows and buffer.host.dtype == dtype:
+                del spare[i]
+                return buffer
+        host = torch.empty(rows, dtype=dtype, pin_memory=True)
+        # (numpy has no bfloat16: such a buffer is read through a float32 copy)
+        view = host.numpy() if dtype in (torch.float32, torch.float16, torch.float64) else None
+        return _Buffer(host, view, torch.cuda.Event())
 
     @property
     def waiting(self) -> bool:
@@ -82,9 +87,7 @@ class FiniteLogits:
             found: list[str] = []
             for req_ids, buffer in pending:
                 buffer.event.synchronize()
-                flags = buffer.flags[:len(req_ids)]
-                if not flags.all():
-                    found += _bad(req_ids, flags)
+                found += _bad(req_ids, buffer.read())
             return found
 
         return failed
@@ -101,25 +104,29 @@ class FiniteLogits:
             elif not buffer.event.query():
                 break
             pending.popleft()
-            flags = buffer.flags[:len(req_ids)]
-            if not flags.all():
-                found += _bad(req_ids, flags)
-            if len(self._spare) < 8:
-                self._spare.append(buffer)
+            found += _bad(req_ids, buffer.read())
+            self._spare.append(buffer)
         return found
 
 
 class _Buffer(NamedTuple):
-    """A pinned flag buffer, its numpy view (read without torch) and the event that
-    says its copy has landed."""
+    """A pinned buffer of one step's row maxima, its numpy view (read without torch;
+    None for bfloat16) and the event that says its copy has landed."""
 
     host: torch.Tensor
-    flags: np.ndarray
+    maxima: np.ndarray | None
     event: Any
 
+    def read(self) -> np.ndarray:
+        return self.maxima if self.maxima is not None else self.host.float().numpy()
 
-def _bad(req_ids: list[str], flags: np.ndarray) -> list[str]:
-    return [req_ids[i] for i in np.flatnonzero(~flags)]
+
+def _bad(req_ids: list[str], maxima: np.ndarray) -> list[str]:
+    """The requests whose row maximum is NaN or +inf."""
+    finite = maxima < np.inf  # (NaN compares false)
+    if finite.all():
+        return []
+    return [req_ids[i] for i in np.flatnonzero(~finite)]
 
 
 @dataclass
