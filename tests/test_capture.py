@@ -69,14 +69,18 @@ log = []
 recursive(2, log)
 assert log == [("after", 2)], log
 
-# two threads running the same function at once: each frame skips its own body
-logs = [[], []]
-threads = [threading.Thread(target=loop, args=(200, logs[k])) for k in range(2)]
+# threads running the same function at once, switching as often as they can: each
+# frame skips its own body, and nothing is left armed
+sys.setswitchinterval(1e-6)
+logs = [[] for _ in range(8)]
+threads = [threading.Thread(target=loop, args=(4000, logs[k])) for k in range(8)]
 for t in threads:
     t.start()
 for t in threads:
     t.join()
-assert logs[0] == logs[1] == list(range(200)) + ["after"]
+sys.setswitchinterval(0.005)
+bad = [k for k in range(8) if logs[k] != list(range(4000)) + ["after"]]
+assert not bad, [[x for x in logs[k] if not isinstance(x, int)][:3] for k in bad]
 
 # a debugger's trace function is kept
 seen = []

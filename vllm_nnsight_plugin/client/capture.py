@@ -16,6 +16,7 @@ import ctypes
 import linecache
 import sys
 import textwrap
+import threading
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -119,6 +120,19 @@ def gather_values(frame: FrameType, names: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def skipper_for(frame: FrameType, block: BlockSource) -> BodySkipper:
+    """A skipper of the block's body (not armed yet). A body that starts with ``try:``
+    cannot be skipped: Python runs that line outside the with-statement's handler, so
+    the skip would escape the ``with``, and one line later the body's own ``except``
+    would catch it."""
+    first = block.statements[0]
+    if isinstance(first, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+        line = linecache.getline(block.filename, first.lineno)
+        raise SyntaxError("the body of a traced with-block cannot start with `try:`: put another statement "
+                          "before it (`pass` will do)", (block.filename, first.lineno, first.col_offset + 1, line))
+    return BodySkipper(frame, block.lineno)
+
+
 class BodySkipper:
     """Makes the first line of a with-body raise :class:`SkipBlock`.
 
@@ -158,7 +172,8 @@ class BodySkipper:
 class _LineSkips:
     """The armed skippers, by code object, behind one ``sys.monitoring`` LINE callback
     (events on only the code objects that hold an armed with-body). The callback never
-    returns ``DISABLE``: a line skipped past now may hold the next invoke's body."""
+    returns ``DISABLE``: a line skipped past now may hold the next invoke's body. Unlike
+    a trace function, the table is the process's: threads arm and disarm under a lock."""
 
     _instance: _LineSkips | None = None
     _tried = False
@@ -166,6 +181,7 @@ class _LineSkips:
     def __init__(self, tool: int) -> None:
         self.tool = tool
         self.armed: dict[Any, list[BodySkipper]] = {}  # code object -> skippers on it
+        self._lock = threading.Lock()
 
     @classmethod
     def get(cls) -> _LineSkips | None:
@@ -182,27 +198,29 @@ class _LineSkips:
 
     def add(self, skipper: BodySkipper) -> None:
         code = skipper.frame.f_code
-        on = self.armed.setdefault(code, [])
-        if not on:
-            sys.monitoring.set_local_events(self.tool, code, sys.monitoring.events.LINE)
-        on.append(skipper)
+        with self._lock:
+            on = self.armed.setdefault(code, [])
+            if not on:
+                sys.monitoring.set_local_events(self.tool, code, sys.monitoring.events.LINE)
+            on.append(skipper)
 
     def discard(self, skipper: BodySkipper) -> None:
         code = skipper.frame.f_code
-        on = self.armed.get(code)
-        if on is None or skipper not in on:
-            return
-        on.remove(skipper)
-        if not on:
-            del self.armed[code]
-            sys.monitoring.set_local_events(self.tool, code, 0)
+        with self._lock:
+            on = self.armed.get(code)
+            if on is None or skipper not in on:
+                return
+            on.remove(skipper)
+            if not on:
+                del self.armed[code]
+                sys.monitoring.set_local_events(self.tool, code, 0)
 
     def _line(self, code: Any, line: int) -> None:
         on = self.armed.get(code)
         if not on:
             return
         frame = sys._getframe(1)  # (the frame running the line: the callback's caller)
-        for skipper in on:
+        for skipper in tuple(on):  # (another thread may arm or disarm meanwhile)
             if skipper.frame is frame and line >= skipper.body_line:
                 self.discard(skipper)
                 raise SkipBlock()
