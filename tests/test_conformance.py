@@ -173,3 +173,27 @@ def test_keywords_whose_equality_is_not_one_bool_are_not_shared():
     assert not _same_keywords({"extra_args": {"v": torch.ones(2)}}, {"extra_args": {"v": torch.ones(2)}})
     assert not _same_keywords({"ids": torch.ones(2).numpy()}, {"ids": torch.ones(2).numpy()})
     assert not _same_keywords({"seed": 1}, {"seed": 2})
+
+
+def test_a_body_that_starts_with_try_is_refused_and_pass_before_it_works(llama):
+    """Python runs a body's leading ``try:`` line outside the with-statement's handler,
+    so such a body cannot be skipped here: a clear error, not a stray exception. A
+    statement before it, or a trace body (which runs here), is fine."""
+    with pytest.raises(SyntaxError, match="cannot start with `try:`"):
+        with llama.trace(temperature=0.0, max_tokens=1) as tracer:
+            with tracer.invoke("Hello"):
+                try:
+                    hidden = llama.model.layers[0].output[0].save()
+                except IndexError:
+                    pass
+    with llama.trace(temperature=0.0, max_tokens=1) as tracer:
+        try:
+            with tracer.invoke("Hello"):
+                pass
+                try:
+                    hidden = llama.model.layers[0].output[0].save()
+                except IndexError:
+                    hidden = None
+        finally:
+            ran = True
+    assert ran and isinstance(hidden, torch.Tensor) and hidden.shape[0] == 1

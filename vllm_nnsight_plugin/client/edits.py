@@ -81,6 +81,7 @@ class EditContext(_Capturing):
 
     def __enter__(self) -> tuple[EditContext, Edit]:
         self._block = self._capture(sys._getframe(1))
+        self._arm()
         return self, self.handle
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -107,6 +108,7 @@ class EditContext(_Capturing):
 
     async def __aenter__(self) -> tuple[EditContext, Edit]:
         self._block = self._capture(sys._getframe(1))
+        self._arm()
         return self, self.handle
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:

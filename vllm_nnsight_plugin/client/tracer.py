@@ -27,6 +27,7 @@ from .capture import (
     merge_appended,
     push_locals,
     saves_outside_invokes,
+    skipper_for,
 )
 
 if TYPE_CHECKING:
@@ -58,9 +59,14 @@ class _Capturing:
         if block.as_name and block.as_name in block.names:
             values[block.as_name] = self
         if not block.empty:  # (an empty body runs here as the no-op it is)
-            self._skipper = BodySkipper(frame, block.lineno)
-            self._skipper.arm()
+            self._skipper = skipper_for(frame, block)
         return block, values
+
+    def _arm(self) -> None:
+        """The last step of ``__enter__``: an error before it leaves nothing armed
+        (``__exit__`` would not run to disarm it)."""
+        if self._skipper is not None:
+            self._skipper.arm()
 
     def _release(self) -> None:
         if self._skipper is not None:
@@ -98,6 +104,7 @@ class Tracer(_Capturing):
         if self._prompt is not _NO_PROMPT:
             block, values = self._capture(frame)
             self._invokes.append(Invoke(self._prompt, {}, block, values))
+            self._arm()
             return self
         block = find_block(frame)
         if saves_outside_invokes(block.statements):
@@ -112,6 +119,7 @@ class Tracer(_Capturing):
             code = compile_trace_body(block)
         except SyntaxError:  # (return/break/continue in the body: it runs where it is, as always)
             return
+        skipper = skipper_for(frame, block)  # (before the body runs: it may refuse the block)
         before = frame.f_locals
         # one namespace (the caller's globals and locals): comprehensions, lambdas and
         # functions in the body see the caller's local names, as in the caller
@@ -123,7 +131,7 @@ class Tracer(_Capturing):
         changed = {k: v for k, v in names.items() if not k.startswith("__") and k != block.as_name
                    and (k not in initial or initial[k] is not v)}
         push_locals(frame, changed)  # (a function's own locals, or the module's globals)
-        self._skipper = BodySkipper(frame, block.lineno)
+        self._skipper = skipper
         self._skipper.arm()
 
     def _share(self, value: Any) -> Any:
@@ -270,6 +278,7 @@ class Invoker(_Capturing):
                 shared[name] = (value, lengths(value))
                 values[name] = SharedList(value)
         self.tracer._invokes.append(Invoke(self.prompt, self.sampling, block, values, shared))
+        self._arm()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
