@@ -443,3 +443,11 @@ def test_the_logits_guard_names_the_rows_that_were_not_finite(dtype):
     view = maxima.numpy() if dtype == torch.float32 else None
     guard._pending.append((["a", "b", "c", "d"], finite_logits._Buffer(maxima, view, Landed())))
     assert guard.collect(wait=False) == ["b", "d"]
+
+    # landed buffers are reused: one of the batch's exact size first, else the first that holds it
+    guard._spare.clear()
+    sizes = (512, 256, 200)
+    guard._spare.extend(finite_logits._Buffer(torch.empty(n, dtype=dtype), None, Landed()) for n in sizes)
+    assert guard._buffer(200, dtype).host.shape[0] == 200
+    assert guard._buffer(100, dtype).host.shape[0] == 512
+    assert guard._buffer(256, dtype).host.shape[0] == 256 and not guard._spare

@@ -28,9 +28,8 @@ class FiniteLogits:
     A row is bad when its maximum is NaN or +inf (the maximum propagates NaN): one
     reduction and one in-place pass per step, whatever the batch; the maxima cross to
     the host and are compared there. The engine core's step loop is CPU-bound, so each
-    torch call counts: pinned buffers of the batch's size and their events are reused
-    (a steady batch allocates nothing per step) and the landed maxima are read through
-    numpy views."""
+    torch call counts: pinned buffers and their events are reused (no allocation per
+    step) and the landed maxima are read through numpy views."""
 
     def __init__(self) -> None:
         self._pending: deque[tuple[list[str], _Buffer]] = deque()  # oldest first
@@ -52,20 +51,32 @@ class FiniteLogits:
             logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
         if maxima.device.type != "cuda":
             return found + _bad(req_ids, maxima.float().numpy())
-        buffer = self._buffer(len(req_ids), maxima.dtype)
-        buffer.host.copy_(maxima, non_blocking=True)
+        rows = len(req_ids)
+        buffer = self._buffer(rows, maxima.dtype)
+        (buffer.host if buffer.host.shape[0] == rows else buffer.host[:rows]).copy_(maxima, non_blocking=True)
         buffer.event.record()
         self._pending.append((req_ids, buffer))
         return found
 
     def _buffer(self, rows: int, dtype: torch.dtype) -> _Buffer:
+        """A landed buffer that holds ``rows`` (one of that exact size first: no slice),
+        else a new one of at least 256 rows, a power of two (a batch that changes size
+        every step allocates nothing)."""
         spare = self._spare
+        fits = None
         for i in range(len(spare)):
             buffer = spare[i]
-            if buffer.host.shape[0] == rows and buffer.host.dtype == dtype:
-                del spare[i]
-                return buffer
-        host = torch.empty(rows, dtype=dtype, pin_memory=True)
+            if buffer.host.dtype == dtype and buffer.host.shape[0] >= rows:
+                if buffer.host.shape[0] == rows:
+                    fits = i
+                    break
+                if fits is None:
+                    fits = i
+        if fits is not None:
+            buffer = spare[fits]
+            del spare[fits]
+            return buffer
+        host = torch.empty(max(256, 1 << (rows - 1).bit_length()), dtype=dtype, pin_memory=True)
         # (numpy has no bfloat16: such a buffer is read through a float32 copy)
         view = host.numpy() if dtype in (torch.float32, torch.float16, torch.float64) else None
         return _Buffer(host, view, torch.cuda.Event())
@@ -87,7 +98,7 @@ class FiniteLogits:
             found: list[str] = []
             for req_ids, buffer in pending:
                 buffer.event.synchronize()
-                found += _bad(req_ids, buffer.read())
+                found += _bad(req_ids, buffer.read(len(req_ids)))
             return found
 
         return failed
@@ -104,7 +115,7 @@ class FiniteLogits:
             elif not buffer.event.query():
                 break
             pending.popleft()
-            found += _bad(req_ids, buffer.read())
+            found += _bad(req_ids, buffer.read(len(req_ids)))
             self._spare.append(buffer)
         return found
 
@@ -117,8 +128,8 @@ class _Buffer(NamedTuple):
     maxima: np.ndarray | None
     event: Any
 
-    def read(self) -> np.ndarray:
-        return self.maxima if self.maxima is not None else self.host.float().numpy()
+    def read(self, rows: int) -> np.ndarray:
+        return self.maxima[:rows] if self.maxima is not None else self.host[:rows].float().numpy()
 
 
 def _bad(req_ids: list[str], maxima: np.ndarray) -> list[str]:
