@@ -90,6 +90,32 @@ def pairs_for(rounds: list[dict], key: str) -> list[dict]:
     return [p for r in rounds for p in r.get(key, ())]
 
 
+def same_engine(rounds: list[dict]) -> dict[str, list[float]]:
+    """Each traced workload's tokens/s over its own engine's untraced batch of the same
+    round ("plugin:steer / plugin:plain"): the plugin's cost on one engine, with no
+    stock engine in the ratio (drift between engines and their placement drop out)."""
+    out: dict[str, list[float]] = {}
+    for r in rounds:
+        runs: dict[str, list[dict]] = {}
+        for key, pairs in r.items():  # (a --both-baselines round: one baseline per workload)
+            runs.setdefault(key.rsplit(" vs ", 1)[0], [p["run"] for p in pairs])
+        for name, got in runs.items():
+            engine, workload = name.split(":", 1)
+            plain = runs.get(f"{engine}:plain")
+            if workload != "plain" and plain:
+                out.setdefault(f"{name} / {engine}:plain", []).extend(
+                    (a["tokens"] / a["s"]) / (b["tokens"] / b["s"]) for a, b in zip(got, plain))
+    return out
+
+
+def same_engine_table(rounds: list[dict]) -> str:
+    rows = ["| same engine, same round | rounds | median ratio | 95% interval (bootstrap) |", "|---|---:|---:|---|"]
+    for key, ratios in same_engine(rounds).items():
+        low, high = median_interval(ratios)
+        rows.append(f"| {key} | {len(ratios)} | {statistics.median(ratios):.2f} | {low:.2f}-{high:.2f} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def user_way(path: str) -> str:
     """A ``user_way.py`` run's pairs as a table: median ratio and its bootstrap interval."""
     with open(path) as fh:
@@ -100,6 +126,8 @@ def user_way(path: str) -> str:
         ratios = [p["ratio"] for p in pairs_for(rounds, key)]
         low, high = median_interval(ratios)
         out.append(f"| {key} | {len(ratios)} | {statistics.median(ratios):.2f} | {low:.2f}-{high:.2f} |")
+    if same := same_engine_table(rounds):
+        out += ["", same]
     return "\n".join(out)
 
 

@@ -14,9 +14,9 @@ repeat until ``--seconds`` have passed; the table gives the median over every pa
 of the run, its bootstrap 95% interval, and the range. ``--batches K`` makes each
 measurement K batches of fresh prompts back to back; ``--pin`` gives each engine's processes their own CPU cores,
 and ``--rotate`` moves the engines to the next engine's cores every round (an engine ran fastest on the cores
-it started on), and ``--both-baselines`` pairs each workload with the two stock engines in turn (a second stock
-engine's median ratio to the first was 1.03-1.04 in every run, rotated too: the table then gives each
-baseline's rows and both pooled).
+it started on), and ``--both-baselines`` pairs each workload with the two stock engines in turn (the table
+then gives each baseline's rows and both pooled). A second table gives each traced workload over its own
+engine's untraced batch of the same round, a ratio with no stock engine in it.
 Output tokens are counted from the outputs; any request that ended in an error, or
 did not run as the batched plan, fails the run.
 
@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import headline  # noqa: E402  (the model's config and size)
-from table import median_interval, pair_keys, pairs_for  # noqa: E402
+from table import median_interval, pair_keys, pairs_for, same_engine_table  # noqa: E402
 
 LAYER = 8
 OLEN = headline.OLEN  # (a block's names travel by value: an int, not the module)
@@ -353,6 +353,8 @@ def main() -> None:
         (low, high), (lo_ci, hi_ci) = row["ratio_range"], row["ratio_interval"]
         print(f"| {k} | {row['tok_s']:,.0f} | {row['stock_tok_s']:,.0f} | {row['ratio']:.2f} "
               f"| {lo_ci:.2f}-{hi_ci:.2f} | {low:.2f}-{high:.2f} |")
+    if same := same_engine_table(rounds):
+        print("\n" + same)
     with open(os.path.join(out_dir, "user_way.json"), "w") as fh:
         json.dump({"rounds": rounds, "table": table}, fh, indent=1)
 
