@@ -94,6 +94,62 @@ kept = sys.gettrace() is tracer
 sys.settrace(None)
 assert kept and log == [0, 1, 2, "after"] and seen
 
+# a body that starts with try: (after global/nonlocal, which run no code) is refused;
+# one statement before it and the skip works
+from vllm_nnsight_plugin.client.capture import find_block, skipper_for
+
+
+class Checked(Block):
+    def __enter__(self):
+        frame = sys._getframe(1)
+        self.skipper = skipper_for(frame, find_block(frame))
+        self.skipper.arm()
+        return self
+
+
+G = 0
+
+
+def try_first(log):
+    with Checked(log):
+        try:
+            log.append("body ran")
+        except Exception:
+            log.append("caught")
+
+
+def global_then_try(log):
+    with Checked(log):
+        global G
+        try:
+            G = 1
+        except Exception:
+            log.append("caught")
+
+
+def pass_then_try(log):
+    with Checked(log):
+        pass
+        try:
+            log.append("body ran")
+        except Exception:
+            log.append("caught")
+    log.append("after")
+
+
+for refused in (try_first, global_then_try):
+    log = []
+    try:
+        refused(log)
+    except SyntaxError as exc:
+        assert "cannot start with `try:`" in str(exc), exc
+    else:
+        raise AssertionError(f"{refused.__name__} was not refused")
+    assert log == [], log
+log = []
+pass_then_try(log)
+assert log == ["after"], log
+
 skips = _LineSkips.get()
 if sys.version_info >= (3, 12):
     assert skips is not None and not skips.armed

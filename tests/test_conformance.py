@@ -197,3 +197,29 @@ def test_a_body_that_starts_with_try_is_refused_and_pass_before_it_works(llama):
         finally:
             ran = True
     assert ran and isinstance(hidden, torch.Tensor) and hidden.shape[0] == 1
+
+
+class _Unmeasurable(list):
+    def __len__(self) -> int:
+        raise LookupError("a list without a length")
+
+
+def test_an_invoke_that_fails_on_entry_leaves_no_skip_armed(llama):
+    """An error in ``__enter__`` after the block was captured (here a saved list whose
+    length cannot be read) leaves no skip armed and the thread's trace function as it
+    was; the next trace runs as always."""
+    import sys
+
+    from vllm_nnsight_plugin.client import capture
+
+    before = sys.gettrace()
+    with pytest.raises(LookupError, match="without a length"):
+        with llama.trace(temperature=0.0, max_tokens=1) as tracer:
+            outs = _Unmeasurable().save()
+            with tracer.invoke("Hello"):
+                outs.append(llama.model.layers[0].output[0])
+    skips = capture._LineSkips.get()
+    assert sys.gettrace() is before and (skips is None or not skips.armed)
+    with llama.trace("Hello", temperature=0.0, max_tokens=1):
+        hidden = llama.model.layers[0].output[0].save()
+    assert isinstance(hidden, torch.Tensor) and hidden.shape[0] == 1

@@ -124,8 +124,10 @@ def skipper_for(frame: FrameType, block: BlockSource) -> BodySkipper:
     """A skipper of the block's body (not armed yet). A body that starts with ``try:``
     cannot be skipped: Python runs that line outside the with-statement's handler, so
     the skip would escape the ``with``, and one line later the body's own ``except``
-    would catch it."""
-    first = block.statements[0]
+    would catch it. (``global`` and ``nonlocal`` run no code: the line after them is the
+    first.)"""
+    first = next((s for s in block.statements if not isinstance(s, (ast.Global, ast.Nonlocal))),
+                 block.statements[0])
     if isinstance(first, (ast.Try, getattr(ast, "TryStar", ast.Try))):
         line = linecache.getline(block.filename, first.lineno)
         raise SyntaxError("the body of a traced with-block cannot start with `try:`: put another statement "
@@ -144,29 +146,40 @@ class BodySkipper:
     def __init__(self, frame: FrameType, body_line: int):
         self.frame = frame
         self.body_line = body_line  # a multi-line with-header has line events before the body
-        self._previous = sys.gettrace()
+        self._previous: Any = None  # the thread's trace function when armed (restored on disarm)
+        self._armed = False
         self._monitored = _LineSkips.get()
 
     def arm(self) -> None:
+        self._armed = True
         if self._monitored is not None:
             self._monitored.add(self)
             return
+        self._previous = sys.gettrace()
         sys.settrace(lambda *args: None)
         self.frame.f_trace_lines = True
         self.frame.f_trace = self._trace
 
     def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line" and frame.f_lineno >= self.body_line:
-            self.disarm()
+            # (Python unsets the thread's trace function when a trace function raises:
+            # the with-statement's exit disarms, which puts the earlier one back)
+            self.frame.f_trace = None
             raise SkipBlock()
         return self._trace
 
     def disarm(self) -> None:
+        if not self._armed:
+            return
+        self._armed = False
         if self._monitored is not None:
             self._monitored.discard(self)
             return
         self.frame.f_trace = None
         sys.settrace(self._previous)
+
+
+_SETUP = threading.Lock()
 
 
 class _LineSkips:
@@ -185,15 +198,18 @@ class _LineSkips:
 
     @classmethod
     def get(cls) -> _LineSkips | None:
-        if not cls._tried:
-            cls._tried = True
-            monitoring = getattr(sys, "monitoring", None)
-            for tool in (4, 3):  # (0-2 and 5 are the debugger's, coverage's, profiler's, optimizer's)
-                if monitoring is not None and monitoring.get_tool(tool) is None:
-                    monitoring.use_tool_id(tool, "vllm-nnsight-plugin")
-                    cls._instance = cls(tool)
-                    monitoring.register_callback(tool, monitoring.events.LINE, cls._instance._line)
-                    break
+        if cls._tried:
+            return cls._instance
+        with _SETUP:  # (two threads' first invokes must not both take the tool id)
+            if not cls._tried:
+                monitoring = getattr(sys, "monitoring", None)
+                for tool in (4, 3):  # (0-2 and 5 are the debugger's, coverage's, profiler's, optimizer's)
+                    if monitoring is not None and monitoring.get_tool(tool) is None:
+                        monitoring.use_tool_id(tool, "vllm-nnsight-plugin")
+                        cls._instance = cls(tool)
+                        monitoring.register_callback(tool, monitoring.events.LINE, cls._instance._line)
+                        break
+                cls._tried = True  # (last: a thread that sees it also sees the instance)
         return cls._instance
 
     def add(self, skipper: BodySkipper) -> None:
