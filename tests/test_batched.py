@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import generate_together
@@ -417,11 +418,12 @@ def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
     assert last.get("b", {}).get("error") is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_logits_guard_names_the_rows_that_were_not_finite(dtype):
     """NaN or +inf in a row: that request is named and its row made finite; a row whose
     only non-finite values are -inf (a mask) is kept as it is. The maxima a GPU copies
-    to the host read the same, bfloat16 included (numpy has none)."""
+    to the host read the same through their numpy view, bfloat16's bits included
+    (numpy has no bfloat16), large finite values too."""
     from vllm_nnsight_plugin.engine import finite_logits
 
     inf, nan = float("inf"), float("nan")
@@ -439,9 +441,11 @@ def test_the_logits_guard_names_the_rows_that_were_not_finite(dtype):
         def query(self):
             return True
 
-    maxima = logits.amax(dim=-1)
-    view = maxima.numpy() if dtype == torch.float32 else None
-    guard._pending.append((["a", "b", "c", "d"], finite_logits._Buffer(maxima, view, Landed())))
+    big = torch.tensor([[-3e38 if dtype != torch.float16 else -6e4, 1.0]], dtype=dtype)
+    maxima = torch.cat([logits.amax(dim=-1), big.amax(dim=-1), -big.amin(dim=-1)])
+    view = finite_logits.host_view(maxima)
+    assert view is not None and view.dtype == (np.uint16 if dtype == torch.bfloat16 else maxima.numpy().dtype)
+    guard._pending.append((["a", "b", "c", "d", "e", "f"], finite_logits._Buffer(maxima, view, Landed())))
     assert guard.collect(wait=False) == ["b", "d"]
 
     # landed buffers are reused: one of the batch's exact size first, else the first that holds it

@@ -59,9 +59,9 @@ class FiniteLogits:
         return found
 
     def _buffer(self, rows: int, dtype: torch.dtype) -> _Buffer:
-        """A landed buffer that holds ``rows`` (one of that exact size first: no slice),
-        else a new one of at least 256 rows, a power of two (a batch that changes size
-        every step allocates nothing)."""
+        """A landed buffer that holds ``rows`` (one of just that size first, as a batch of
+        256 finds: no slice), else a new one of at least 256 rows, a power of two (a
+        batch that changes size every step allocates nothing)."""
         spare = self._spare
         fits = None
         for i in range(len(spare)):
@@ -77,9 +77,7 @@ class FiniteLogits:
             del spare[fits]
             return buffer
         host = torch.empty(max(256, 1 << (rows - 1).bit_length()), dtype=dtype, pin_memory=True)
-        # (numpy has no bfloat16: such a buffer is read through a float32 copy)
-        view = host.numpy() if dtype in (torch.float32, torch.float16, torch.float64) else None
-        return _Buffer(host, view, torch.cuda.Event())
+        return _Buffer(host, host_view(host), torch.cuda.Event())
 
     @property
     def waiting(self) -> bool:
@@ -120,9 +118,19 @@ class FiniteLogits:
         return found
 
 
+def host_view(host: torch.Tensor) -> np.ndarray | None:
+    """The numpy view a buffer's maxima are read through, without torch: floats as they
+    are, bfloat16 (which numpy lacks) as its bits (uint16); None for other dtypes."""
+    if host.dtype in (torch.float32, torch.float16, torch.float64):
+        return host.numpy()
+    if host.dtype == torch.bfloat16:
+        return host.view(torch.int16).numpy().view(np.uint16)
+    return None
+
+
 class _Buffer(NamedTuple):
-    """A pinned buffer of one step's row maxima, its numpy view (read without torch;
-    None for bfloat16) and the event that says its copy has landed."""
+    """A pinned buffer of one step's row maxima, its numpy view (:func:`host_view`) and
+    the event that says its copy has landed."""
 
     host: torch.Tensor
     maxima: np.ndarray | None
@@ -133,8 +141,12 @@ class _Buffer(NamedTuple):
 
 
 def _bad(req_ids: list[str], maxima: np.ndarray) -> list[str]:
-    """The requests whose row maximum is NaN or +inf."""
-    finite = maxima < np.inf  # (NaN compares false)
+    """The requests whose row maximum is NaN or +inf (bfloat16 bits: an all-ones
+    exponent is NaN or an infinity; -inf, a mask, is finite here)."""
+    if maxima.dtype == np.uint16:
+        finite = ((maxima & 0x7F80) != 0x7F80) | (maxima == 0xFF80)
+    else:
+        finite = maxima < np.inf  # (NaN compares false)
     if finite.all():
         return []
     return [req_ids[i] for i in np.flatnonzero(~finite)]
