@@ -92,24 +92,25 @@ def pairs_for(rounds: list[dict], key: str) -> list[dict]:
 
 def same_engine(rounds: list[dict]) -> dict[str, list[float]]:
     """Each traced workload's tokens/s over its own engine's untraced batch of the same
-    round ("plugin:steer / plugin:plain"): the plugin's cost on one engine, with no
-    stock engine in the ratio (drift between engines and their placement drop out)."""
+    round and attempt ("plugin:steer / plugin:plain"): the plugin's cost on one engine,
+    with no stock engine in the ratio (drift between engines and their placement drop
+    out). With ``--both-baselines`` an attempt's baseline is the same for every
+    workload, so runs pair within one baseline's key ("... vs stock")."""
     out: dict[str, list[float]] = {}
     for r in rounds:
-        runs: dict[str, list[dict]] = {}
-        for key, pairs in r.items():  # (a --both-baselines round: one baseline per workload)
-            runs.setdefault(key.rsplit(" vs ", 1)[0], [p["run"] for p in pairs])
-        for name, got in runs.items():
+        for key, pairs in r.items():
+            name, _, base = key.partition(" vs ")
             engine, workload = name.split(":", 1)
-            plain = runs.get(f"{engine}:plain")
+            plain = r.get(f"{engine}:plain" + (f" vs {base}" if base else ""))
             if workload != "plain" and plain:
                 out.setdefault(f"{name} / {engine}:plain", []).extend(
-                    (a["tokens"] / a["s"]) / (b["tokens"] / b["s"]) for a, b in zip(got, plain))
+                    (a["run"]["tokens"] / a["run"]["s"]) / (b["run"]["tokens"] / b["run"]["s"])
+                    for a, b in zip(pairs, plain))
     return out
 
 
 def same_engine_table(rounds: list[dict]) -> str:
-    rows = ["| same engine, same round | rounds | median ratio | 95% interval (bootstrap) |", "|---|---:|---:|---|"]
+    rows = ["| same engine, same round | pairs | median ratio | 95% interval (bootstrap) |", "|---|---:|---:|---|"]
     for key, ratios in same_engine(rounds).items():
         low, high = median_interval(ratios)
         rows.append(f"| {key} | {len(ratios)} | {statistics.median(ratios):.2f} | {low:.2f}-{high:.2f} |")

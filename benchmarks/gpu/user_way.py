@@ -326,6 +326,7 @@ def main() -> None:
                 key = f"{kind}:{name}" + (f" vs {base_kind}" if len(bases) > 1 and kind != "stock2" else "")
                 pairs.setdefault(key, []).append(
                     {"stock": base, "run": got, "stock_first": not (rnd + attempt) % 2, "base": base_kind,
+                     "attempt": attempt,
                      **({"cores": {base_kind: placed[base_kind], kind: placed[kind]}}
                         if args.pin and args.rotate else {}),
                      "ratio": (got["tokens"] / got["s"]) / (base["tokens"] / base["s"])})
