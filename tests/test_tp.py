@@ -158,6 +158,47 @@ def test_reads_of_split_values_in_a_plan_equal_hf(tp_llama, hf_gqa):
     assert_close(act, ref.inp["down_proj"][:n])
 
 
+def test_only_split_values_are_put_together(tp_llama):
+    """Every rank counts the split values it put together (the lane-stats RPC): reading
+    and steering the residual stream every step (replicated, as the GPU headline does)
+    adds nothing; reading the fused q/k/v output at the prompt adds that one value, at
+    the whole model's width, on each rank."""
+    llm = tp_llama.vllm_entrypoint
+
+    def counted(run) -> list[tuple[int, int]]:
+        before = llm.collective_rpc("nnsight_lane_stats")
+        run()
+        after = llm.collective_rpc("nnsight_lane_stats")
+        return [(a["tp_wholes"] - b["tp_wholes"], a["tp_whole_bytes"] - b["tp_whole_bytes"])
+                for a, b in zip(after, before)]
+
+    def replicated() -> None:
+        with tp_llama.trace(temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
+            with tracer.invoke(PROMPT):
+                stream = list().save()
+                for step in tracer.iter[:]:  # noqa: B007
+                    out = tp_llama.model.layers[1].output
+                    stream.append(out[0] + out[1])
+            with tracer.invoke(PROMPT):
+                for step in tracer.iter[:]:  # noqa: B007
+                    tp_llama.model.layers[1].output[0][:] += 0.5
+        assert [o.ran_as for o in tracer.outputs] == ["batched"] * 2 and len(stream) == 3
+
+    saved = []
+
+    def split() -> None:
+        with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
+            qkv = tp_llama.model.layers[0].self_attn.qkv_proj.output.save()
+        assert tracer.outputs[0].ran_as == "batched"
+        saved.append(qkv[0])  # (the linear's output and its bias)
+
+    assert counted(replicated) == [(0, 0), (0, 0)]
+    got = counted(split)
+    tokens = saved[0].shape[0]
+    assert saved[0].shape[-1] == 512
+    assert got == [(1, tokens * 512 * 4)] * 2  # (fp32: 4 bytes)
+
+
 @pytest.mark.parametrize("how", ["plan", "code"])
 def test_edits_of_split_and_whole_values_equal_hf(tp_llama, hf_gqa, how):
     """Steering the fused q/k/v output (split by heads; as code), the MLP's activation

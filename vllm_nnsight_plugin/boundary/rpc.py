@@ -63,11 +63,12 @@ def nnsight_stats(self: Any) -> dict[str, int]:
 
 def nnsight_lane_stats(self: Any) -> dict[str, int]:
     """Counters since start: location-steps of batched specs served by lanes (inside
-    the forward's own kernels) and by Python (the tap op's handler or a hook), and
-    code blocks run as batched specs (``lowered``: see :mod:`.lower`)."""
-    from ..engine import lanes, lower
+    the forward's own kernels) and by Python (the tap op's handler or a hook), code
+    blocks run as batched specs (``lowered``: see :mod:`.lower`), and under tensor
+    parallel the split values this rank put together and their bytes (:mod:`.shards`)."""
+    from ..engine import lanes, lower, shards
 
-    return {**lanes.STATS, **lower.STATS}
+    return {**lanes.STATS, **lower.STATS, **shards.STATS}
 
 
 def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str) -> bool:

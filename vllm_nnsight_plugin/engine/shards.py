@@ -20,6 +20,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+# since start, on this rank (the lane-stats RPC): split values put together, and their
+# whole size in bytes (a replicated value read or edited adds nothing)
+STATS = {"tp_wholes": 0, "tp_whole_bytes": 0}
+
 
 @dataclass(frozen=True, slots=True)
 class Split:
@@ -121,6 +125,8 @@ def gather(value: Any, split: Split, group: Collectives, inputs: bool = False) -
         sizes = _sizes(split.segments, x.shape[-1])
         whole = _whole_sharded(x, sizes, group, split.replicas)
     served = (whole, *value[1:]) if element is not None else whole
+    STATS["tp_wholes"] += 1
+    STATS["tp_whole_bytes"] += whole.numel() * whole.element_size()
 
     def write_back() -> None:  # (inference tensors keep no version counter: always, a copy)
         if partial:  # the caller sums the ranks' parts: rank 0 carries the change
