@@ -212,6 +212,8 @@ def test_what_a_plan_cannot_hold_runs_as_code_naming_line_and_why():
         "model.layers[0].output = (v, v)": (10, "assigns layers.0.output"),
         "y = model.layers[0].output[0][:, 3].save()": (10, "a plan picks whole rows"),
         "try:\n    x = model.layers[0].output[0].tolist()\nexcept Exception:\n    pass": (11, "uses .tolist"),
+        "d = {}\nd['h'] = model.layers[0].output[0].save()": (11, "saves no value under a name"),
+        "box = []\nbox.append(model.layers[1].output[0].save())": (11, "saves no value under a name"),
     }
     for source, (line, why) in cases.items():
         found = _plan(source, v=VEC, w=VEC.double(), torch=torch)

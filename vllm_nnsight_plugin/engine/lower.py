@@ -133,6 +133,10 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
     ops.extend(_merged_edits(rec))
     ops.extend(caches)
     if not ops:
+        if rec.saved:  # (saved, then put where no name of the block holds it)
+            line = next((v._loc.line for v in rec.saved.values() if hasattr(v, "_loc")), None)
+            raise Unrecordable("it saves no value under a name (only names bound in the block come back: "
+                               "a value put into a dict, a list or an attribute does not)", line)
         raise Unrecordable("it reads and edits nothing", None)
     ops.sort(key=lambda item: item[0])
     return Lowered(codec.spec_envelope([op for _, op, _ in ops]), tuple(line for _, _, line in ops))
