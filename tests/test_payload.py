@@ -303,3 +303,23 @@ def test_operator_settings_parse_in_one_place(monkeypatch):
     monkeypatch.setenv("VLLM_NNSIGHT_CODE_TIME_LIMIT", "soon")
     with pytest.raises(ValueError, match="VLLM_NNSIGHT_CODE_TIME_LIMIT: expected a number"):
         settings_of({})
+
+
+def test_a_remote_error_is_a_runtime_error_and_its_builtin_type():
+    """As nnsight raises it: ``RuntimeError("<TypeName>: <message>")``; and also an
+    instance of the remote builtin type, for every builtin exception type."""
+    import builtins
+
+    from vllm_nnsight_plugin.client.errors import InterventionError, make_error
+
+    for name in dir(builtins):
+        base = getattr(builtins, name)
+        if not (isinstance(base, type) and issubclass(base, Exception)) or base is Exception \
+                or issubclass(base, getattr(builtins, "BaseExceptionGroup", ())):  # (needs its exceptions)
+            continue
+        err = make_error({"type": name, "message": "it failed", "filename": "b.py", "lineno": 3, "line": "x = 1"})
+        assert isinstance(err, InterventionError) and isinstance(err, RuntimeError) and isinstance(err, base), name
+        assert str(err).startswith(f"{name}: it failed")
+    for info in ({"type": "CustomError", "message": "m"}, {"type": "ExceptionGroup", "message": "m"}):
+        unknown = make_error(info)
+        assert type(unknown) is InterventionError and str(unknown) == f"{info['type']}: m"

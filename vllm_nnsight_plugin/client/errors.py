@@ -6,12 +6,14 @@ import builtins
 from typing import Any
 
 
-class InterventionError(Exception):
+class InterventionError(RuntimeError):
     """An intervention block failed inside the engine.
 
-    Raised at the exit of the ``with`` block. When the remote exception was a
-    builtin type (``ZeroDivisionError``, ``IndexError``...), the raised error is
-    also an instance of that type, so ``except ZeroDivisionError`` works.
+    Raised at the exit of the ``with`` block as nnsight raises it: a ``RuntimeError``
+    whose message starts ``"<TypeName>: <message>"`` (so a ported ``except
+    RuntimeError`` catches it). When the remote exception was a builtin type
+    (``ZeroDivisionError``, ``IndexError``...), the raised error is also an instance
+    of that type, so ``except ZeroDivisionError`` works too.
     """
 
     def __init__(self, info: dict[str, Any]):
@@ -34,6 +36,6 @@ def make_error(info: dict[str, Any]) -> InterventionError:
         try:
             cls = type(f"Remote{base.__name__}", (InterventionError, base), {"__str__": InterventionError.__str__})
             return cls(info)
-        except TypeError:  # incompatible layouts (e.g. OSError)
+        except TypeError:  # (incompatible layouts: none among today's builtins, test_payload checks)
             pass
     return InterventionError(info)
