@@ -308,11 +308,14 @@ def test_an_installed_edit_and_a_json_spec_under_tensor_parallel(tp_llama, hf_gq
 
 
 def test_taps_on_a_compiled_engine_under_tensor_parallel(gqa_path, hf_gqa):
-    """Compiled (piecewise graphs) with taps: a split value is served whole by the tap
+    """Compiled with taps (on the CPU piecewise, without Inductor; the GPU run gives vLLM's
+    default compilation, CUDA graphs included): a split value is served whole by the tap
     op's Python (no lanes there); a steering plan of a whole value runs in the lanes."""
+    from test_taps import COMPILATION
+
     with one_core_per_rank():
         model = VLLM(gqa_path, dispatch=True, dtype="float32", max_model_len=512, max_num_seqs=16,
-                     tensor_parallel_size=2, seed=0, compilation_config={"mode": 3, "backend": "eager"},
+                     tensor_parallel_size=2, seed=0, **({"compilation_config": COMPILATION} if COMPILATION else {}),
                      taps=["model.layers.1.output", "model.layers.0.self_attn.qkv_proj"], **ENGINE_KWARGS)
     try:
         w = torch.linspace(0.5, -0.5, 256)

@@ -3,7 +3,7 @@
 # and this package, then runs what is asked:
 #   bash benchmarks/gpu/remote.sh tests      parity/taps tests on CUDA (NNSIGHT_GPU_TESTS picks files)
 #   bash benchmarks/gpu/remote.sh headline [--variants a,b] [--reps N]
-#   bash benchmarks/gpu/remote.sh user_way [--seconds S] [--pin]   one trace, 256 invokes, default settings + taps
+#   bash benchmarks/gpu/remote.sh user_way [--seconds S] [--pin] [--tensor-parallel-size N]   one trace, 256 invokes, default settings + taps
 #   bash benchmarks/gpu/remote.sh profile [--taps] [--v1] [every_token_spec ...]
 #   bash benchmarks/gpu/remote.sh spy [--workloads a,b] [--seconds S]   py-spy of vLLM's processes, user's way
 #   bash benchmarks/gpu/remote.sh gather [--batches N]   the worker's every-token gather alone
@@ -41,15 +41,17 @@ case "$what" in
       | tee "$OUT/tests-$NNSIGHT_TEST_EXPECT_RUNNER.log" | tail -40 ;;
   tests-both)
     # V2 and V1 side by side: one GPU each when two are visible, else one after the other
+    # (and one after the other on every GPU for tests/test_tp.py)
     ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
     extra=("$@"); export STAGED=1
     run_one() {  # $1 = value of VLLM_USE_V2_MODEL_RUNNER (1|0), $2 = GPU index
       CUDA_VISIBLE_DEVICES=$2 VLLM_USE_V2_MODEL_RUNNER=$1 VLLM_CACHE_ROOT=/tmp/vllm-cache-$1 \
         bash benchmarks/gpu/remote.sh tests-staged "${extra[@]}"; }
-    if [ "$ngpu" -ge 2 ]; then
+    if [ "$ngpu" -ge 2 ] && [[ "${NNSIGHT_GPU_TESTS:-}" != *test_tp* ]]; then
       run_one 1 0 > "$OUT/tests-v2.out" 2>&1 & run_one 0 1 > "$OUT/tests-v1.out" 2>&1 & wait
-    else
-      run_one 1 0 > "$OUT/tests-v2.out" 2>&1; run_one 0 0 > "$OUT/tests-v1.out" 2>&1
+    else  # (one GPU; or tensor parallel tests, whose engines take two GPUs each)
+      all=$(seq -s, 0 $((ngpu - 1)))
+      run_one 1 "$all" > "$OUT/tests-v2.out" 2>&1; run_one 0 "$all" > "$OUT/tests-v1.out" 2>&1
     fi
     tail -3 "$OUT"/tests-v*.out ;;
   headline)

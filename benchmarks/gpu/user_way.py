@@ -155,9 +155,11 @@ def _check(name: str, outputs: list[Any], plugin: bool = True) -> int:
     return tokens
 
 
-def child(kind: str, memory: float) -> None:
+def child(kind: str, memory: float, tp: int) -> None:
     """Start the engine, warm each workload up at full batch, then answer one timed
-    measurement per line on stdin ("workload seed batches"); stdin's end stops it."""
+    measurement per line on stdin ("workload seed batches"); stdin's end stops it.
+    Under tensor parallel a plugin engine's reply also gives the bytes of split values
+    its ranks put together during the measurement (``tp_whole_bytes``, rank 0's)."""
     global STEER
     import torch
     from vllm import LLM, SamplingParams
@@ -165,6 +167,9 @@ def child(kind: str, memory: float) -> None:
     STEER = torch.full((headline.HIDDEN,), 0.01, dtype=torch.bfloat16)
     engine = {"load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16", "max_model_len": 1024,
               "gpu_memory_utilization": memory, "seed": 0}
+    if tp > 1:
+        engine["tensor_parallel_size"] = tp
+    whole_bytes = None  # () -> rank 0's count of bytes put together so far (plugin engines under TP)
     t0 = time.time()
     if kind.startswith("stock"):
         llm = LLM(model=headline.MODEL, **engine)
@@ -189,11 +194,16 @@ def child(kind: str, memory: float) -> None:
     elif kind == "idle":  # the plugin loaded, no taps: what untraced traffic pays for the plugin's hooks alone
         from vllm_nnsight_plugin import VLLM
 
-        runs = {"plain": plugin_runs(VLLM(headline.MODEL, dispatch=True, **engine))["plain"]}
+        model = VLLM(headline.MODEL, dispatch=True, **engine)
+        runs = {"plain": plugin_runs(model)["plain"]}
     else:
         from vllm_nnsight_plugin import VLLM
 
-        runs = plugin_runs(VLLM(headline.MODEL, taps=TAP, dispatch=True, **engine))
+        model = VLLM(headline.MODEL, taps=TAP, dispatch=True, **engine)
+        runs = plugin_runs(model)
+    if tp > 1 and kind in ("plugin", "idle"):
+        def whole_bytes() -> int:
+            return model.vllm_entrypoint.collective_rpc("nnsight_lane_stats")[0]["tp_whole_bytes"]
     init = time.time() - t0
     plugin = kind == "plugin"
     for name, run in runs.items():
@@ -204,10 +214,14 @@ def child(kind: str, memory: float) -> None:
             continue
         name, seed, batches = (line.split() + ["1"])[:3]
         prompt_sets = [prompts_for(int(seed) * 100 + b) for b in range(int(batches))]
+        before = whole_bytes() if whole_bytes else 0  # (an RPC: outside the timed part)
         t = time.time()
         outputs = [runs[name](prompts) for prompts in prompt_sets]
         took = time.time() - t
-        print("TIME " + json.dumps({"s": took, "tokens": sum(_check(name, o, plugin) for o in outputs)}), flush=True)
+        reply = {"s": took, "tokens": sum(_check(name, o, plugin) for o in outputs)}
+        if whole_bytes:
+            reply["tp_whole_bytes"] = whole_bytes() - before
+        print("TIME " + json.dumps(reply), flush=True)
 
 
 def descendants(pid: int) -> list[int]:
@@ -247,6 +261,8 @@ def main() -> None:
                         help="with stock2: every workload but the stock2 control is paired with stock and stock2 "
                              "in turn")
     parser.add_argument("--memory", type=float, default=0.3)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="every engine (stock ones too) over this many GPUs")
     parser.add_argument("--engines", default="stock,stock2,plugin",
                         help="stock2: a second stock engine, to show how far two identical engines differ; "
                              "nnsight: nnsight 0.8.1's VLLM with the same taps (remote.sh installs it); "
@@ -258,7 +274,7 @@ def main() -> None:
     if not (1 <= args.pairs < 10 and 1 <= args.batches <= 100):
         parser.error("--pairs 1-9 and --batches 1-100 (each measurement's seeds must be its own)")
     if args.child:
-        child(args.child, args.memory)
+        child(args.child, args.memory, args.tensor_parallel_size)
         return
     if args.rotate and not args.pin:
         parser.error("--rotate moves pinned engines: add --pin")
@@ -280,7 +296,8 @@ def main() -> None:
         pin = []
         if args.pin:  # (children inherit the affinity: the engine core and its worker too)
             pin = ["taskset", "-c", ",".join(map(str, core_sets[n]))]
-        proc = subprocess.Popen([*pin, sys.executable, __file__, "--child", kind, "--memory", str(args.memory)],
+        proc = subprocess.Popen([*pin, sys.executable, __file__, "--child", kind, "--memory", str(args.memory),
+                                 "--tensor-parallel-size", str(args.tensor_parallel_size)],
                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                                 bufsize=1)
         try:
@@ -346,14 +363,26 @@ def main() -> None:
                     "stock_tok_s": statistics.median(p["stock"]["tokens"] / p["stock"]["s"] for p in pairs_k),
                     "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                     "ratio_interval": list(median_interval(ratios))}
+        if all("tp_whole_bytes" in p["run"] for p in pairs_k):  # (the same every pair: the median shows it)
+            table[k]["tp_whole_bytes_per_batch"] = statistics.median(
+                p["run"]["tp_whole_bytes"] / args.batches for p in pairs_k)
+    tp = args.tensor_parallel_size
     print(f"\n{len(rounds)} rounds x {args.pairs} pairs x {args.batches} batches of {headline.N} prompts"
-          f"{', engines pinned to their own cores' if args.pin else ''}")
+          f"{', engines pinned to their own cores' if args.pin else ''}"
+          f"{f', tensor parallel over {tp} GPUs (stock engines too)' if tp > 1 else ''}")
     print("\n| workload (user's code) | tok/s | stock beside it, tok/s | ratio to stock graphs (median of pairs) "
           "| 95% interval of the median (bootstrap) | range |\n|---|---:|---:|---:|---:|---:|")
     for k, row in table.items():
         (low, high), (lo_ci, hi_ci) = row["ratio_range"], row["ratio_interval"]
         print(f"| {k} | {row['tok_s']:,.0f} | {row['stock_tok_s']:,.0f} | {row['ratio']:.2f} "
               f"| {lo_ci:.2f}-{hi_ci:.2f} | {low:.2f}-{high:.2f} |")
+    if tp > 1:  # (a replicated value, as a decoder layer's output, is read and edited where it is)
+        print(f"\n| workload | split values put together per batch (each rank) | per decode step ({OLEN} a batch) |"
+              "\n|---|---:|---:|")
+        for k, row in table.items():
+            if "tp_whole_bytes_per_batch" in row:
+                per = row["tp_whole_bytes_per_batch"]
+                print(f"| {k} | {per / 2**20:,.1f} MiB | {per / OLEN / 2**10:,.1f} KiB |")
     if same := same_engine_table(rounds):
         print("\n" + same)
     with open(os.path.join(out_dir, "user_way.json"), "w") as fh:
