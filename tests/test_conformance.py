@@ -21,6 +21,19 @@ def test_blocking_false_is_for_served_traces(llama_path):
         VLLM(llama_path, dtype="float32").trace("Hello", blocking=False)
 
 
+def test_a_list_of_prompts_where_one_goes_is_refused_saying_so(llama_path):
+    """nnsight: one prompt per invoke (each is one vLLM request), whether the prompt is
+    given to the trace or to an invoke; a list of token ids is one prompt."""
+    model = VLLM(llama_path, dtype="float32")
+    for prompts in (["Hello", "World"], [{"prompt": "Hello"}, {"prompt": "World"}]):
+        with pytest.raises(ValueError, match="one prompt per invoke, got a list of 2: use model.trace"):
+            model.trace(prompts)
+        with pytest.raises(ValueError, match="one prompt per invoke"):
+            with model.trace() as tracer:
+                tracer.invoke(prompts)
+    assert model.trace([1, 2, 3]) is not None and not model.dispatched
+
+
 def test_an_unreachable_server_raises_a_connection_error(llama_path):
     model = VLLM(llama_path, dtype="float32")
     with pytest.raises(ConnectionError, match="cannot reach the vLLM server at http://127.0.0.1:9"):

@@ -8,6 +8,13 @@ from typing import Any
 from ..payload import codec
 
 
+def check_one_prompt(prompt: Any) -> None:
+    """Refuse several prompts where one request's goes (each invoke is one vLLM request)."""
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, dict)) for p in prompt):
+        raise ValueError(f"one prompt per invoke, got a list of {len(prompt)}: use model.trace() with one "
+                         "tracer.invoke(prompt) block for each prompt")
+
+
 def to_prompt(prompt: Any) -> Any:
     """A vLLM prompt from a str, token ids, a tokenizer encoding or a prompt dict."""
     if isinstance(prompt, str):
@@ -15,6 +22,7 @@ def to_prompt(prompt: Any) -> Any:
     if hasattr(prompt, "tolist") and not isinstance(prompt, dict):
         prompt = prompt.tolist()
     if isinstance(prompt, (list, tuple)):
+        check_one_prompt(prompt)
         if prompt and isinstance(prompt[0], list):
             if len(prompt) != 1:
                 raise ValueError("one prompt per invoke: got a batch of token id lists")

@@ -29,6 +29,7 @@ from .capture import (
     saves_outside_invokes,
     skipper_for,
 )
+from .requests import check_one_prompt
 
 if TYPE_CHECKING:
     from .model import VLLM
@@ -79,6 +80,7 @@ class Tracer(_Capturing):
 
     def __init__(self, model: VLLM, prompt: Any = _NO_PROMPT, serve: str | None = None,
                  api_key: str | None = None, stream_saves: bool = False, **sampling: Any):
+        check_one_prompt(prompt)
         self.model = model
         self._prompt = prompt
         self._blocking = bool(sampling.pop("blocking", True))
@@ -160,8 +162,7 @@ class Tracer(_Capturing):
             )
         if prompt is _NO_PROMPT:
             raise ValueError("tracer.invoke() needs a prompt: each invoke is one vLLM request")
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str):
-            raise ValueError("one prompt per invoke: use a tracer.invoke(...) block for each prompt")
+        check_one_prompt(prompt)
         return Invoker(self, prompt, sampling)
 
     # Inside the caller these only explain themselves; blocks run in the engine.
