@@ -112,6 +112,29 @@ def test_trace_level_lists_are_filled_by_the_invokes_in_order(llama, hf_llama):
     assert len(flat) == len(PROMPTS) and all(o.ran_as == "batched" for o in tracer.outputs)
 
 
+def test_trace_level_slots_and_dict_keys_take_each_invokes_writes(llama, hf_llama):
+    """nnsight's shared state across invokes, beyond appends: each invoke writing its own
+    slot of a saved list, or its own key of a saved dict, and a slot an invoke did not
+    change keeping what another invoke wrote there."""
+    from conftest import HFRun
+
+    with llama.trace(temperature=0.0, max_tokens=1) as tracer:
+        slots = [None for _ in PROMPTS].save()
+        counts = [0 for _ in PROMPTS].save()
+        rows = dict().save()
+        for i, prompt in enumerate(PROMPTS):
+            with tracer.invoke(prompt):
+                rows[prompt] = llama.model.layers[1].output[0][-1]
+                counts[i] = i + 1
+                slots[i] = llama.logits
+    assert counts == [1, 2, 3] and list(rows) == PROMPTS
+    assert all(o.ran_as.startswith("code:") for o in tracer.outputs)
+    for out, prompt, logits in zip(tracer.outputs, PROMPTS, slots):
+        run = HFRun(hf_llama, list(out.prompt_token_ids)).record("mlp1", hf_llama.model.layers[1].mlp)
+        assert_close(logits[0], run.logits()[-1])
+        assert_close(rows[prompt], run.records["mlp1"][-1])
+
+
 def _trace_in_a_function(llama, threshold):
     with llama.trace(temperature=0.0, max_tokens=1) as tracer:
         rows = list().save()
@@ -236,3 +259,23 @@ def test_an_invoke_that_fails_on_entry_leaves_no_skip_armed(llama):
     with llama.trace("Hello", temperature=0.0, max_tokens=1):
         hidden = llama.model.layers[0].output[0].save()
     assert isinstance(hidden, torch.Tensor) and hidden.shape[0] == 1
+
+
+def test_invokes_copies_merge_in_invoke_order():
+    """client/shared.py alone: appends (also to inner lists) in invoke order, a changed
+    slot or key takes the last invoke's value, an unchanged one keeps an earlier write,
+    an inner container keeps its identity, and a tensor counts by its values."""
+    from vllm_nnsight_plugin.client.shared import merge, snapshot
+
+    inner, t = [], torch.ones(2)
+    shared = [None, 0, inner, t, "x"]
+    d = {"a": 1, "in": []}
+    before, before_d = snapshot(shared), snapshot(d)
+    for returned, returned_d in (([None, 5, [1], t.clone(), "x", "tail0"], {"a": 1, "in": ["p"], "new": 0}),
+                                 ([7, 0, [2], t + 1, "x"], {"a": 2, "in": ["q"]}),
+                                 ([None, 6, [], t.clone(), ("replaced",)], {"a": 1, "in": []})):
+        merge(shared, before, returned)
+        merge(d, before_d, returned_d)
+    assert shared[:3] == [7, 6, [1, 2]] and shared[2] is inner
+    assert torch.equal(shared[3], t + 1) and shared[4] == ("replaced",) and shared[5:] == ["tail0"]
+    assert d == {"a": 2, "in": ["p", "q"], "new": 0}

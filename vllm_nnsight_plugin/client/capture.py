@@ -304,16 +304,3 @@ def compile_trace_body(block: BlockSource) -> Any:
     tree = ast.fix_missing_locations(_TraceSaves().visit(tree))
     return compile(tree, block.filename, "exec")
 
-
-def lengths(value: Any) -> Any:
-    """A list's length and its list items' lengths, recursively: what was there before."""
-    return (len(value), [lengths(v) if isinstance(v, list) else None for v in value])
-
-
-def merge_appended(shared: list, before: Any, returned: list) -> None:
-    """Append to ``shared`` (and to its list items) what an invoke appended to its copy."""
-    count, items = before
-    for i, inner in enumerate(items):
-        if inner is not None and i < len(returned) and isinstance(returned[i], list) and isinstance(shared[i], list):
-            merge_appended(shared[i], inner, returned[i])
-    shared.extend(returned[count:])

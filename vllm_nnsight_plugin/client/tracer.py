@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from ..payload.codec import SharedList
+from ..payload.codec import SharedDict, SharedList
 from .capture import (
     BlockSource,
     BodySkipper,
@@ -23,13 +23,12 @@ from .capture import (
     compile_trace_body,
     find_block,
     gather_values,
-    lengths,
-    merge_appended,
     push_locals,
     saves_outside_invokes,
     skipper_for,
 )
 from .requests import check_one_prompt
+from .shared import merge, snapshot
 
 if TYPE_CHECKING:
     from .model import VLLM
@@ -137,9 +136,9 @@ class Tracer(_Capturing):
         self._skipper.arm()
 
     def _share(self, value: Any) -> Any:
-        """``.save()`` in the trace body: a list the invokes may fill (other values are
-        the caller's own, returned as they are)."""
-        if isinstance(value, list):
+        """``.save()`` in the trace body: a list or dict the invokes may write into
+        (other values are the caller's own, returned as they are)."""
+        if isinstance(value, (list, dict)):
             self._shared[id(value)] = value
         return value
 
@@ -215,9 +214,9 @@ class Tracer(_Capturing):
         first_error = None
         for inv, output in zip(self._invokes, outputs):
             saves = dict(getattr(output, "saves", {}) or {})
-            for name, (shared, before) in inv.shared.items():  # what this invoke appended, in order
-                if isinstance(saves.get(name), list):
-                    merge_appended(shared, before, saves.pop(name))
+            for name, (shared, before) in inv.shared.items():  # what this invoke wrote, in order
+                if isinstance(saves.get(name), type(shared)):
+                    merge(shared, before, saves.pop(name))
             bound.update(saves)
             info = getattr(output, "nnsight_error", None)
             if info is not None and first_error is None:
@@ -276,8 +275,8 @@ class Invoker(_Capturing):
         shared = {}
         for name, value in list(values.items()):
             if id(value) in self.tracer._shared and self.tracer._shared[id(value)] is value:
-                shared[name] = (value, lengths(value))
-                values[name] = SharedList(value)
+                shared[name] = (value, snapshot(value))
+                values[name] = SharedList(value) if isinstance(value, list) else SharedDict(value)
         self.tracer._invokes.append(Invoke(self.prompt, self.sampling, block, values, shared))
         self._arm()
         return self

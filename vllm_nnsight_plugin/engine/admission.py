@@ -103,8 +103,8 @@ class Admission:
             session.ran_as = f"code: {env['filename']}:{line} ({why})"
             values = codec.load_code(env, self._resolver()).values
             session.namespace.update({k: self._to_device(v) for k, v in values.items()})
-            for name, value in values.items():  # trace-level lists the block appends to: saved
-                if isinstance(value, codec.SharedList):
+            for name, value in values.items():  # trace-level lists and dicts the block writes into: saved
+                if isinstance(value, (codec.SharedList, codec.SharedDict)):
                     session.namespace[name] = session.save(session.namespace[name])
         except Exception as exc:  # noqa: BLE001 - a bad payload ends only its request
             session.fail(f"bad payload{' (' + label + ')' if label else ''}: {exc}")

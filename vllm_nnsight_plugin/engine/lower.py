@@ -98,11 +98,13 @@ def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: d
         code = compile_block(source, filename, lineno)
     except Exception:  # noqa: BLE001 - a syntax error: code reports it
         return Fallback("it does not compile", lineno)
-    from ..payload.codec import SharedList
+    from ..payload.codec import SharedDict, SharedList
 
-    for value in values.values():  # (a trace-level list: saved, as the trace saved it)
+    for name, value in values.items():  # (a trace-level list: saved, as the trace saved it)
         if isinstance(value, SharedList):
             rec.saved[id(value)] = value
+        elif isinstance(value, SharedDict):  # (a plan saves names and lists, not a dict's keys)
+            return Fallback(f"writes into a dict the trace saved ({name})", lineno)
     try:
         namespace = record.run_block(rec, code, values, lineno, seconds)
         return _assemble(rec, namespace)

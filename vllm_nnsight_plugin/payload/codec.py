@@ -66,9 +66,13 @@ class CodePayload:
 
 
 class SharedList(list):
-    """A list the trace saved and invokes append to (nnsight's trace-level values): the
+    """A list the trace saved and invokes write into (nnsight's trace-level values): the
     engine treats it as saved by the block, and the client merges what each invoke
-    appended into the caller's list, in invoke order."""
+    wrote into the caller's list, in invoke order (``client/shared.py``)."""
+
+
+class SharedDict(dict):
+    """A dict the trace saved and invokes write into (as :class:`SharedList`)."""
 
 
 class _RefPickler(cloudpickle.CloudPickler):
