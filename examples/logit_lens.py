@@ -9,9 +9,10 @@ predicts there. Prints the table of top tokens and writes ``logit_lens.png``
 
     python examples/logit_lens.py [--model PATH] [--prompt TEXT] [--serve URL]
 
-The block calls modules (the norm) and multiplies by the unembedding, so it runs as
-code: a served engine needs VLLM_NNSIGHT_ALLOW_CODE=1. One tensor-parallel rank
-holds only part of the unembedding: run it at tensor_parallel_size=1.
+The block calls modules (the norm, then the unembedding, as nnsight's logit lens
+does: ``lm_head(norm(h))``), so it runs as code: a served engine needs
+VLLM_NNSIGHT_ALLOW_CODE=1. Under tensor parallel the unembedding's call gives the
+whole vocabulary's logits.
 """
 
 from __future__ import annotations
@@ -35,12 +36,11 @@ def lens(model, prompt: str, serve: dict) -> tuple[list[int], torch.Tensor, torc
     unembed = walk(model, adapter.unembed)
     residual = adapter.layer_returns_residual
     with model.trace(prompt, max_tokens=1, temperature=0.0, **serve) as tracer:
-        weight = unembed.weight[: unembed.org_vocab_size]  # (vLLM pads the vocabulary)
         probs = []
         for layer in layers:
             out = layer.output
             stream = out[0] + out[1] if residual else out
-            probs.append(torch.softmax((norm(stream) @ weight.T).float(), dim=-1))
+            probs.append(torch.softmax(unembed(norm(stream)).float(), dim=-1))
         final_top = probs[-1].argmax(-1)
         top = torch.stack([p.argmax(-1) for p in probs]).save()
         p_final = torch.stack([p.gather(-1, final_top[:, None])[:, 0] for p in probs]).save()

@@ -44,6 +44,22 @@ def test_input_read_and_assign(gpt2, hf_gpt2):
     assert_close(logits[0], ref[-1])
 
 
+def test_the_logit_lens_through_a_tied_unembedding_equals_hf(gpt2, hf_gpt2):
+    """GPT-2 ties its unembedding to the input embedding, so vLLM's ``lm_head`` is
+    ``transformer.wte``: called with hidden states it projects them to the vocabulary,
+    called with token ids it embeds them."""
+    ids = [5, 17, 99]
+    with gpt2.trace(PROMPT, temperature=0.0) as tracer:
+        lens = gpt2.lm_head(gpt2.transformer.ln_f(gpt2.transformer.h[1].output)).save()
+        emb = gpt2.transformer.wte(torch.tensor(ids, device=gpt2.transformer.wte.weight.device)).save()
+    prompt = tracer.outputs[0].prompt_token_ids
+    rec = HFRun(hf_gpt2, prompt).record("h1", hf_gpt2.transformer.h[1])
+    rec.logits()
+    with torch.no_grad():
+        assert_close(lens, hf_gpt2.lm_head(hf_gpt2.transformer.ln_f(rec.records["h1"])))
+        assert_close(emb, hf_gpt2.transformer.wte(torch.tensor(ids)))
+
+
 def test_steering_gpt2(gpt2, hf_gpt2):
     v = torch.linspace(-1, 1, 128)
     with gpt2.trace(PROMPT, temperature=0.0) as tracer:

@@ -33,6 +33,31 @@ def test_every_layer_output_and_logits(llama, hf_llama):
     assert_close(logits[0], ref[-1])
 
 
+def test_the_logit_lens_as_nnsight_writes_it_equals_hf(llama, hf_llama):
+    """``model.lm_head(model.model.norm(h))`` in a block: vLLM's unembedding (whose
+    forward refuses to run) projects each layer's residual stream to the vocabulary
+    (its padding cut), as Hugging Face's ``lm_head`` does; the last layer's lens at the
+    last position is the step's logits."""
+    with llama.trace(PROMPT, temperature=0.0) as tracer:
+        lens = list().save()
+        for layer in llama.model.layers:
+            out = layer.output
+            lens.append(llama.lm_head(llama.model.norm(out[0] + out[1])))
+        logits = llama.logits.save()
+    assert tracer.outputs[0].ran_as.startswith("code:")
+    ids = tracer.outputs[0].prompt_token_ids
+    hf = HFRun(hf_llama, ids)
+    for i, layer in enumerate(hf_llama.model.layers):
+        hf.record(f"l{i}", layer)
+    ref = hf.logits()
+    assert len(lens) == len(hf_llama.model.layers) and lens[0].shape == (len(ids), ref.shape[-1])
+    with torch.no_grad():
+        for i, got in enumerate(lens):
+            want = hf_llama.lm_head(hf_llama.model.norm(hf.records[f"l{i}"]))
+            assert_close(got, want)
+    assert_close(lens[-1][-1], logits[0])
+
+
 def test_mlp_ablation_matches_hf(llama, hf_llama):
     with llama.trace(PROMPT, temperature=0.0) as tracer:
         llama.model.layers[1].mlp.output[:] = 0

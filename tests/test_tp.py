@@ -158,6 +158,28 @@ def test_reads_of_split_values_in_a_plan_equal_hf(tp_llama, hf_gqa):
     assert_close(act, ref.inp["down_proj"][:n])
 
 
+def test_a_blocks_own_calls_of_parallel_layers_take_and_give_whole_values(tp_llama, hf_gqa):
+    """nnsight's ad-hoc calls under tensor parallel: a logit lens (``lm_head(norm(h))``,
+    each rank holding a slice of the vocabulary), a column-parallel linear (the fused
+    q/k/v, split by heads) and a row-parallel one (o_proj, whose input is split) take
+    whole values and give whole ones, equal to HF."""
+    x = torch.linspace(-1, 1, 3 * 256).view(3, 256)
+    with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
+        out = tp_llama.model.layers[1].output
+        lens = tp_llama.lm_head(tp_llama.model.norm(out[0] + out[1])).save()
+        attn = tp_llama.model.layers[0].self_attn
+        z = x.to(attn.o_proj.weight.device)
+        qkv = attn.qkv_proj(z)[0].save()
+        o = attn.o_proj(z)[0].save()
+    ref = HF(hf_gqa, list(tracer.outputs[0].prompt_token_ids)).run()
+    hf = hf_gqa.model.layers[0].self_attn
+    with torch.no_grad():
+        assert_close(lens, hf_gqa.lm_head(hf_gqa.model.norm(ref.hidden[2])))
+        assert lens.shape[-1] == hf_gqa.config.vocab_size
+        assert_close(qkv, torch.cat([hf.q_proj(x), hf.k_proj(x), hf.v_proj(x)], -1))
+        assert_close(o, hf.o_proj(x))
+
+
 def test_only_split_values_are_put_together(tp_llama):
     """Every rank counts the split values it put together (the lane-stats RPC): reading
     and steering the residual stream every step (replicated, as the GPU headline does)

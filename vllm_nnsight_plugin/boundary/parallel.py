@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.shards import Split
+from ..engine.shards import Split, gather
 
 
 def stand_in_classes(model: Any) -> dict[int, type]:
@@ -146,6 +146,38 @@ class TensorParallelGroup:
 
     def split_of(self, module: Any, io: str) -> Split | None:
         return shard_of(module, io)
+
+
+def call_whole(module: Any, args: tuple, kwargs: dict) -> Any:
+    """A block's own call of a module (``model.lm_head(model.model.norm(h))``, a logit
+    lens), as the whole model computes it, without its hooks. vLLM's unembedding (an
+    ``lm_head``, or the input embedding it ties to) called with hidden states projects
+    them to the vocabulary's logits as vLLM's logits processor does, without its
+    scaling (as Hugging Face's ``lm_head``); with token ids it embeds them. Under tensor
+    parallel a call of a column-parallel linear returns its whole output, and one of a
+    row-parallel linear takes the whole input (and returns the summed output)."""
+    import torch
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    x = args[0] if args else None
+    if isinstance(module, VocabParallelEmbedding) and isinstance(x, torch.Tensor) and x.is_floating_point():
+        logits = module.quant_method.apply(module, x, bias=getattr(module, "bias", None))
+        group = tp_group()
+        if group is not None and module.tp_size > 1:  # (each rank holds a slice of the vocabulary)
+            logits = group.all_gather(logits)
+        return logits[..., : module.org_vocab_size]
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    group = tp_group()
+    if group is None or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        return module.forward(*args, **kwargs)
+    split_in = shard_of(module, "input")
+    if split_in is not None and split_in.kind == "sharded" and split_in.segments == "whole" and x is not None:
+        part = x.shape[-1] // group.ranks
+        args = (x[..., group.rank * part : (group.rank + 1) * part], *args[1:])
+    out = module.forward(*args, **kwargs)
+    split_out = shard_of(module, "output")
+    return out if split_out is None else gather(out, split_out, group)[0]
 
 
 def tp_group() -> TensorParallelGroup | None:

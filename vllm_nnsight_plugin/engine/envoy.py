@@ -87,8 +87,10 @@ class WorkerEnvoy:
         return (self._child(k) for k in self._module._modules)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the module directly (no interleaving), e.g. a logit lens."""
-        return self._module.forward(*args, **kwargs)
+        """Call the module directly (no interleaving), e.g. a logit lens: as the whole
+        model computes it (the worker's ``call_module``), else its forward."""
+        call = self._inter.setup.call_module
+        return call(self._module, args, kwargs) if call is not None else self._module.forward(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<envoy {self._path or 'model'}: {type(self._module).__name__}>"

@@ -4,6 +4,7 @@ reads neither and a test can build one by hand."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,9 @@ class WorkerSetup:
     outside_forward: frozenset[str] = frozenset()
     # pipeline parallel (None: one stage): the modules other stages run, and how plans reach them
     stages: StageFacts | None = None
+    # a block's own call of a module, (module, args, kwargs) -> as the whole model computes it
+    # (boundary.parallel.call_whole); None: the module's forward
+    call_module: Callable[[Any, tuple, dict], Any] | None = None
 
 
 @dataclass(frozen=True)
