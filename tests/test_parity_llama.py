@@ -58,6 +58,22 @@ def test_the_logit_lens_as_nnsight_writes_it_equals_hf(llama, hf_llama):
     assert_close(lens[-1][-1], logits[0])
 
 
+def test_assigning_the_logits_changes_what_is_sampled_and_the_logprobs(llama):
+    """``model.logits = new`` replaces the logits the sampler uses for this request, at
+    the step the block is at (here every step: token 42 each time, at probability ~1)."""
+    with llama.trace(PROMPT, temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1) as tracer:
+        for step in tracer.iter[:]:  # noqa: B007
+            forced = torch.full_like(llama.logits, -1e4)
+            forced[:, 42] = 0.0
+            llama.logits = forced
+    out = tracer.outputs[0].outputs[0]
+    assert list(out.token_ids) == [42, 42, 42]
+    assert all(abs(lp[42].logprob) < 1e-3 for lp in out.logprobs)
+    with llama.trace(PROMPT, temperature=0.0, max_tokens=3, ignore_eos=True) as clean:
+        pass
+    assert list(clean.outputs[0].outputs[0].token_ids) != [42, 42, 42]  # (the assignment did it)
+
+
 def test_mlp_ablation_matches_hf(llama, hf_llama):
     with llama.trace(PROMPT, temperature=0.0) as tracer:
         llama.model.layers[1].mlp.output[:] = 0
