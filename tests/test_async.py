@@ -176,13 +176,25 @@ def test_async_edits_install_apply_and_clear(amodel, hf_llama, loop):
         with amodel.trace("Hello world", temperature=0.0) as tracer:
             steered = amodel.logits.save()  # noqa: F841
         a = await tracer.backend
+        plain = await amodel.generate(["Hello world", "The capital of Japan is"], temperature=0.0, max_tokens=2,
+                                      logprobs=1)
         await amodel.aclear_edits()
         with amodel.trace("Hello world", temperature=0.0) as tracer:
             clean = amodel.logits.save()  # noqa: F841
         b = await tracer.backend
-        return a, b
+        return a, b, plain
 
-    a, b = run(loop, go())
+    a, b, plain = run(loop, go())
+    # plain generation on the async engine (nnsight's awaitable form): each prompt steered
+    assert [len(o.outputs[0].token_ids) for o in plain] == [2, 2] and plain[0].prompt == "Hello world"
+    for out in plain:
+        ids, token = list(out.prompt_token_ids), out.outputs[0].token_ids[0]
+        steered = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0], lambda h: h + v).logits()[-1]
+        clean = HFRun(hf_llama, ids).logits()[-1]
+        got = out.outputs[0].logprobs[0][token].logprob
+        assert token == int(steered.argmax())
+        assert abs(got - float(torch.log_softmax(steered, -1)[token])) < 1e-4
+        assert abs(got - float(torch.log_softmax(clean, -1)[token])) > 1e-3  # (the edit ran)
     ids = list(a.prompt_token_ids)
     steered_ref = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0], lambda h: h + v).logits()[-1]
     assert_close(a.saves["steered"][0], steered_ref)

@@ -85,3 +85,17 @@ class AsyncBackend:
 
     def __await__(self) -> Any:
         return self._drain().__await__()
+
+
+async def generate_all(engine: Any, prompts: list[Any], params: Any, attach: Any) -> list[Any]:
+    """``await model.generate(prompts)`` on an async engine: one request per prompt, run
+    concurrently; each finished output with its results attached (installed edits'
+    saves), in the prompts' order."""
+    async def one(prompt: Any) -> Any:
+        last = None
+        async for output in engine.generate(prompt, params, f"nnsight-{uuid.uuid4().hex}"):
+            last = output
+        attach(last)
+        return last
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))

@@ -179,7 +179,7 @@ class VLLM(Envoy):
 
         Without a ``with`` block this is vLLM generation: a prompt or a list of
         prompts, returning ``RequestOutput``s (with ``.saves`` where anything was
-        saved).
+        saved); on an async engine, an awaitable of them.
         """
         if _is_with_statement(sys._getframe(1)):
             if len(prompts) > 1:
@@ -190,6 +190,10 @@ class VLLM(Envoy):
         batch = prompts[0] if len(prompts) == 1 and isinstance(prompts[0], list) and prompts[0] \
             and not isinstance(prompts[0][0], int) else list(prompts)
         params = sampling_params(**sampling_kwargs(sampling, {}, None))
+        if self.mode == "async":
+            from .async_backend import generate_all
+
+            return generate_all(self._engine(), [to_prompt(p) for p in batch], params, attach_results)
         outputs = self._engine().generate([to_prompt(p) for p in batch], params, use_tqdm=False)
         for output in outputs:
             attach_results(output)
