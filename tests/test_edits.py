@@ -76,12 +76,21 @@ def test_selection_by_name(clean, hf_llama):
         seen = llama.model.layers[2].output[0][-1].sum().save()  # noqa: F841
     with llama.edit(name="steer") as (tracer, steer):
         llama.model.layers[0].output[0][:] += v
+    with llama.edit() as (tracer, anonymous):
+        anon = llama.model.layers[1].output[0][-1].sum().save()  # noqa: F841
     with llama.trace(PROMPTS[1], temperature=0.0, edits=["probe"]) as tracer:
         logits = llama.logits.save()
         result = tracer.result.save()
-    assert "seen" in result.saves  # the probe ran...
+    assert {"seen", "anon"} <= set(result.saves)  # the probe ran, and the unnamed edit (it always runs)...
     ids = list(result.prompt_token_ids)
     assert_close(logits[0], HFRun(hf_llama, ids).logits()[-1])  # ...the steer did not
+    with llama.trace(PROMPTS[1], temperature=0.0, edits=["probe"]) as tracer:
+        seen = llama.model.layers[3].output[0][-1].sum().save()  # (the probe's name: the trace's value wins)
+    rec = HFRun(hf_llama, ids).record("mlp3", hf_llama.model.layers[3].mlp).record("mlp2", hf_llama.model.layers[2].mlp)
+    rec.logits()
+    assert abs(float(seen) - float(rec.records["mlp3"][-1].sum())) < 1e-3
+    assert abs(float(rec.records["mlp3"][-1].sum()) - float(rec.records["mlp2"][-1].sum())) > 1e-2
+    anonymous.clear()
     with pytest.raises(ValueError, match="unknown edit"):
         llama.generate(PROMPTS[:1], max_tokens=1, edits=["nope"])
     with pytest.raises(ValueError, match="inplace"):
