@@ -135,6 +135,31 @@ def test_trace_level_slots_and_dict_keys_take_each_invokes_writes(llama, hf_llam
         assert_close(rows[prompt], run.records["mlp1"][-1])
 
 
+def test_nnsight_save_of_a_value_is_its_save(llama, hf_llama):
+    """nnsight's ``nnsight.save(x)`` means ``x.save()``, in an invoke's block and in the
+    trace body; the name ``nnsight`` does not travel (a stand-in module here: nnsight
+    is not installed beside the plugin)."""
+    import types
+
+    from conftest import HFRun
+
+    nnsight = types.SimpleNamespace(save=lambda value: value)
+    with llama.trace(PROMPTS[1], temperature=0.0, max_tokens=1) as tracer:
+        hidden = nnsight.save(llama.model.layers[1].output[0])
+    assert tracer.outputs[0].ran_as == "batched"
+    run = HFRun(hf_llama, list(tracer.outputs[0].prompt_token_ids)).record("mlp1", hf_llama.model.layers[1].mlp)
+    run.logits()
+    assert_close(hidden, run.records["mlp1"])
+    with llama.trace(temperature=0.0, max_tokens=1) as tracer:
+        rows = nnsight.save(list())
+        for prompt in PROMPTS:
+            with tracer.invoke(prompt):
+                rows.append(llama.logits)
+    assert len(rows) == len(PROMPTS)
+    for out, row in zip(tracer.outputs, rows):
+        assert_close(row[0], HFRun(hf_llama, list(out.prompt_token_ids)).logits()[-1])
+
+
 def _trace_in_a_function(llama, threshold):
     with llama.trace(temperature=0.0, max_tokens=1) as tracer:
         rows = list().save()

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from ..engine.block_source import saved_expr
+
 
 class SkipBlock(Exception):
     """Raised on the first line of a captured body so it never runs locally."""
@@ -58,10 +60,13 @@ def _parse(filename: str, lines: list[str]) -> ast.Module:
 
 
 def _names_read(nodes: list[ast.stmt]) -> tuple[str, ...]:
+    """The names a block reads, but ``nnsight`` of ``nnsight.save(x)`` (a save, not a value)."""
     seen: dict[str, None] = {}
     for node in nodes:
+        saves = {id(sub.func.value) for sub in ast.walk(node)
+                 if isinstance(sub, ast.Call) and sub.args and saved_expr(sub) is not None}
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Name) and not sub.id.startswith("__"):
+            if isinstance(sub, ast.Name) and not sub.id.startswith("__") and id(sub) not in saves:
                 seen.setdefault(sub.id)
     return tuple(seen)
 
@@ -263,8 +268,7 @@ def _is_invoke(node: ast.With) -> bool:
 
 
 def _is_save(node: ast.AST) -> bool:
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "save" \
-        and not node.args and not node.keywords
+    return saved_expr(node) is not None
 
 
 def saves_outside_invokes(statements: tuple[ast.stmt, ...]) -> bool:
@@ -291,9 +295,9 @@ class _TraceSaves(ast.NodeTransformer):
 
     def visit_Call(self, node: ast.Call) -> Any:
         self.generic_visit(node)
-        if _is_save(node):
-            return ast.copy_location(ast.Call(ast.Name("__nnsight_trace_save__", ast.Load()), [node.func.value], []),
-                                     node)
+        saved = saved_expr(node)
+        if saved is not None:
+            return ast.copy_location(ast.Call(ast.Name("__nnsight_trace_save__", ast.Load()), [saved], []), node)
         return node
 
 

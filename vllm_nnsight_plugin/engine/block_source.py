@@ -8,8 +8,26 @@ import ast
 from typing import Any
 
 
+def saved_expr(node: ast.AST) -> ast.expr | None:
+    """What a save call saves: ``x`` of ``x.save()`` or of nnsight's ``nnsight.save(x)``;
+    None for any other node."""
+    if not isinstance(node, ast.Call) or node.keywords or not isinstance(node.func, ast.Attribute) \
+            or node.func.attr != "save":
+        return None
+    if not node.args:
+        return node.func.value
+    if len(node.args) == 1 and is_nnsight_module(node.func.value):
+        return node.args[0]
+    return None
+
+
+def is_nnsight_module(node: ast.AST) -> bool:
+    """The name ``nnsight`` (as in ``nnsight.save(x)``: nothing of it travels)."""
+    return isinstance(node, ast.Name) and node.id == "nnsight"
+
+
 class _BlockRewriter(ast.NodeTransformer):
-    """``x.save()`` -> ``__nnsight_save__(x)``: save works on any object. And
+    """``x.save()`` and ``nnsight.save(x)`` -> ``__nnsight_save__(x)``: save works on any object. And
     nnsight's ``with`` spelling of a step loop (``with tracer.iter[0:3]:``, ``with
     tracer.iter[:] as it:``, ``with tracer.all():``) -> the ``for`` loop it means:
     the body runs at each of those steps, ``it`` the step number."""
@@ -26,11 +44,9 @@ class _BlockRewriter(ast.NodeTransformer):
 
     def visit_Call(self, node: ast.Call) -> Any:
         self.generic_visit(node)
-        func = node.func
-        if isinstance(func, ast.Attribute) and func.attr == "save" and not node.args and not node.keywords:
-            return ast.copy_location(
-                ast.Call(ast.Name("__nnsight_save__", ast.Load()), [func.value], []), node
-            )
+        saved = saved_expr(node)
+        if saved is not None:
+            return ast.copy_location(ast.Call(ast.Name("__nnsight_save__", ast.Load()), [saved], []), node)
         return node
 
 
