@@ -21,6 +21,12 @@ def test_blocking_false_is_for_served_traces(llama_path):
         VLLM(llama_path, dtype="float32").trace("Hello", blocking=False)
 
 
+def test_taps_with_enforce_eager_is_refused(llama_path):
+    with pytest.raises(ValueError, match="enforce_eager=True asks for no compilation"):
+        VLLM(llama_path, taps=["model.layers.*.output"], enforce_eager=True)
+    assert VLLM(llama_path, taps=["model.layers.*.output"], enforce_eager=False).llm_kwargs["enforce_eager"] is False
+
+
 def test_a_list_of_prompts_where_one_goes_is_refused_saying_so(llama_path):
     """nnsight: one prompt per invoke (each is one vLLM request), whether the prompt is
     given to the trace or to an invoke; a list of token ids is one prompt."""

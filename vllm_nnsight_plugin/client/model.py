@@ -44,6 +44,9 @@ class VLLM(Envoy):
             raise ValueError("mode is 'sync' (vllm.LLM) or 'async' (vllm AsyncLLM)")
         tapset = TapSet([taps] if isinstance(taps, str) else (taps or ()))
         if tapset:  # compiled + CUDA graphs, the tap op at each declared location
+            if llm_kwargs.get("enforce_eager"):
+                raise ValueError("taps= runs the engine compiled (with CUDA graphs on a GPU) and enforce_eager=True "
+                                 "asks for no compilation: drop one (an eager engine serves every module without taps)")
             extra = dict(llm_kwargs.get("additional_config") or {})
             extra["nnsight"] = {**extra.get("nnsight", {}), "taps": tapset.patterns}
             llm_kwargs["additional_config"] = extra
