@@ -64,7 +64,17 @@ def test_await_backend_returns_the_last_output(amodel, loop):
     async def go():
         with amodel.trace("Hello", temperature=0.0, max_tokens=3, ignore_eos=True) as tracer:
             s = amodel.samples.save()  # noqa: F841
-        return await tracer.backend
+        last = await tracer.backend
+        with pytest.raises(RuntimeError, match="consumed once"):  # (the stream was drained)
+            async for _ in tracer.backend:
+                pass
+        with pytest.raises(ValueError, match="an async trace takes a single prompt"):
+            with amodel.trace(temperature=0.0) as several:
+                with several.invoke("Hello"):
+                    pass
+                with several.invoke("World"):
+                    pass
+        return last
 
     last = run(loop, go())
     assert last.finished and len(last.outputs[0].token_ids) == 3

@@ -21,6 +21,19 @@ def test_blocking_false_is_for_served_traces(llama_path):
         VLLM(llama_path, dtype="float32").trace("Hello", blocking=False)
 
 
+def test_an_invoke_without_a_prompt_and_a_barrier_are_refused(llama_path):
+    """nnsight's refusals for vLLM: each invoke is one request (it needs a prompt), and
+    invokes are independent requests (no barrier between them)."""
+    model = VLLM(llama_path, dtype="float32")
+    with pytest.raises(ValueError, match="needs a prompt"):
+        with model.trace() as tracer:
+            tracer.invoke()
+    with pytest.raises(NotImplementedError, match="independent vLLM request"):
+        with model.trace() as tracer:
+            tracer.barrier(2)
+    assert not model.dispatched
+
+
 def test_taps_with_enforce_eager_is_refused(llama_path):
     with pytest.raises(ValueError, match="enforce_eager=True asks for no compilation"):
         VLLM(llama_path, taps=["model.layers.*.output"], enforce_eager=True)
