@@ -129,12 +129,13 @@ def test_traced_prompts_are_scheduled_whole_under_chunked_prefill(gpt2, hf_gpt2)
     prompt (equal to Hugging Face); an untraced prompt in the same batch is chunked
     as usual."""
     prompts = [" ".join([f"Sentence {i} says one two three four five six seven."] * 3) for i in range(4)]
-    with gpt2.trace(temperature=0.0, max_tokens=2) as tracer:
-        saved = []
+    with gpt2.trace(temperature=0.0, max_tokens=2, extra_args={"nnsight_lower": False}) as tracer:
+        saved = list().save()
         for prompt in prompts:
             with tracer.invoke(prompt):
-                saved.append(gpt2.transformer.h[1].output.save())
+                saved.append(gpt2.transformer.h[1].output)
     outputs = tracer.outputs
+    assert len(saved) == len(prompts) and all(o.ran_as.startswith("code:") for o in outputs)
     assert all(30 <= len(o.prompt_token_ids) <= 64 for o in outputs)
     assert sum(len(o.prompt_token_ids) for o in outputs) > 64  # they cannot share one step
     for out, value in zip(outputs, saved):
