@@ -179,6 +179,18 @@ def test_nnsight_save_of_a_value_is_its_save(llama, hf_llama):
         assert_close(row[0], HFRun(hf_llama, list(out.prompt_token_ids)).logits()[-1])
 
 
+def test_computing_with_tracer_result_in_a_block_says_to_save_it(llama):
+    """``tracer.result`` (the finished ``RequestOutput``) exists only in the front end: a
+    block saves it, or a part of it, and computes after the trace."""
+    for compute in (len, bool, lambda r: r == 3):
+        with pytest.raises(TypeError, match="exists only in the front end: in a block, save it"):
+            with llama.trace("Hello", temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+                n = compute(tracer.result.outputs[0].token_ids)  # noqa: F841
+    with llama.trace("Hello", temperature=0.0, max_tokens=2, ignore_eos=True) as tracer:
+        ids = tracer.result.outputs[0].token_ids.save()
+    assert len(ids) == 2 and list(ids) == list(tracer.outputs[0].outputs[0].token_ids)
+
+
 def _trace_in_a_function(llama, threshold):
     with llama.trace(temperature=0.0, max_tokens=1) as tracer:
         rows = list().save()

@@ -170,6 +170,15 @@ class ResultRef:
     def __repr__(self) -> str:
         return "<tracer.result (available after the request finishes)>"
 
+    def _not_here(self, *args: Any) -> Any:
+        raise TypeError("tracer.result is the finished RequestOutput, which exists only in the front end: "
+                        "in a block, save it or a part of it (tracer.result.outputs[0].token_ids.save()) "
+                        "and compute with it after the trace")
+
+    __len__ = __iter__ = __bool__ = __int__ = __float__ = __index__ = __contains__ = _not_here
+    __add__ = __radd__ = __sub__ = __mul__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _not_here
+    __hash__ = object.__hash__
+
 
 class _IterIndexer:
     def __init__(self, tracer: WorkerTracer):
