@@ -31,16 +31,16 @@ class _Failure:
 class AsyncBackend:
     """The stream of one traced request's outputs (consumable once)."""
 
-    def __init__(self, engine: Any, prompt: Any, params: Any, attach: Any):
+    def __init__(self, engine: Any, prompt: Any, params: Any, attach: Any, lora: Any = None):
         self._attach = attach
         self._queue: asyncio.Queue = asyncio.Queue()
         self._consumed = False
         self.request_id = f"nnsight-{uuid.uuid4().hex}"
-        self._task = asyncio.get_running_loop().create_task(self._pump(engine, prompt, params))
+        self._task = asyncio.get_running_loop().create_task(self._pump(engine, prompt, params, lora))
 
-    async def _pump(self, engine: Any, prompt: Any, params: Any) -> None:
+    async def _pump(self, engine: Any, prompt: Any, params: Any, lora: Any) -> None:
         try:
-            async for output in engine.generate(prompt, params, self.request_id):
+            async for output in engine.generate(prompt, params, self.request_id, lora_request=lora):
                 await self._queue.put(output)
         except asyncio.CancelledError:
             raise
@@ -87,13 +87,13 @@ class AsyncBackend:
         return self._drain().__await__()
 
 
-async def generate_all(engine: Any, prompts: list[Any], params: Any, attach: Any) -> list[Any]:
+async def generate_all(engine: Any, prompts: list[Any], params: Any, attach: Any, lora: Any = None) -> list[Any]:
     """``await model.generate(prompts)`` on an async engine: one request per prompt, run
     concurrently; each finished output with its results attached (installed edits'
     saves), in the prompts' order."""
     async def one(prompt: Any) -> Any:
         last = None
-        async for output in engine.generate(prompt, params, f"nnsight-{uuid.uuid4().hex}"):
+        async for output in engine.generate(prompt, params, f"nnsight-{uuid.uuid4().hex}", lora_request=lora):
             last = output
         attach(last)
         return last

@@ -192,12 +192,14 @@ class VLLM(Envoy):
 
         batch = prompts[0] if len(prompts) == 1 and isinstance(prompts[0], list) and prompts[0] \
             and not isinstance(prompts[0][0], int) else list(prompts)
-        params = sampling_params(**sampling_kwargs(sampling, {}, None))
+        kw = sampling_kwargs(sampling, {}, None)
+        lora = kw.pop("lora_request", None)  # (one adapter for every prompt, as vLLM's generate takes it)
+        params = sampling_params(**kw)
         if self.mode == "async":
             from .async_backend import generate_all
 
-            return generate_all(self._engine(), [to_prompt(p) for p in batch], params, attach_results)
-        outputs = self._engine().generate([to_prompt(p) for p in batch], params, use_tqdm=False)
+            return generate_all(self._engine(), [to_prompt(p) for p in batch], params, attach_results, lora)
+        outputs = self._engine().generate([to_prompt(p) for p in batch], params, use_tqdm=False, lora_request=lora)
         for output in outputs:
             attach_results(output)
         return outputs
@@ -278,13 +280,14 @@ class VLLM(Envoy):
         inv = invokes[0]
         self._check_paths(invokes, self._tree)
         kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
+        lora = kw.pop("lora_request", None)
         extra = dict(kw.pop("extra_args", None) or {})
         if self._payload(inv) is not None:
             extra[codec.PAYLOAD_KEY] = self._payload(inv)
         if stream_saves:
             extra[STREAM_KEY] = 1
         params = sampling_params(**kw, extra_args=extra)
-        return AsyncBackend(self._engine(), to_prompt(inv.prompt), params, attach_results)
+        return AsyncBackend(self._engine(), to_prompt(inv.prompt), params, attach_results, lora)
 
     def _run_invokes(self, invokes: list[Invoke], trace_sampling: dict[str, Any],
                      serve: tuple[str, str | None] | None = None) -> list[Any]:
@@ -294,10 +297,11 @@ class VLLM(Envoy):
 
         self.dispatch()
         self._check_paths(invokes, self._tree)
-        prompts, params = [], []
+        prompts, params, loras = [], [], []
         last: tuple[dict, Any] | None = None  # (the previous invoke's keywords, its params)
         for inv in invokes:
             kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
+            loras.append(kw.pop("lora_request", None))  # (vLLM takes it beside the params)
             extra = dict(kw.pop("extra_args", None) or {})
             payload = self._payload(inv)
             if payload is not None:
@@ -309,7 +313,8 @@ class VLLM(Envoy):
                 last = (kw, sampling_params(**kw))
             params.append(last[1])
             prompts.append(to_prompt(inv.prompt))
-        outputs = self._engine().generate(prompts, params, use_tqdm=False)
+        outputs = self._engine().generate(prompts, params, use_tqdm=False,
+                                          lora_request=loras if any(loras) else None)
         for output in outputs:
             attach_results(output)
         return outputs

@@ -50,7 +50,8 @@ def to_prompt(prompt: Any) -> Any:
 
 def sampling_kwargs(trace_kw: dict[str, Any], invoke_kw: dict[str, Any], default_max: int | None) -> dict:
     """Invoke keywords win for the fields they name; ``max_new_tokens`` is ``max_tokens``;
-    ``edits=[names]`` selects installed edits."""
+    ``edits=[names]`` selects installed edits. (``lora_request`` stays in: the caller
+    gives it to vLLM's ``generate``, beside the ``SamplingParams``.)"""
     merged: dict[str, Any] = {}
     for source in (trace_kw, invoke_kw):
         for key, value in source.items():
