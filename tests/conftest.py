@@ -204,3 +204,31 @@ def pending_output(inner):
             return self.model_runner_output
 
     return Pending(inner)
+
+
+def lora_adapter(path: Path, base: str, hf, rank: int = 4, alpha: int = 8):
+    """A PEFT LoRA adapter of every layer's q_proj and v_proj for a tiny Llama, written to
+    ``path``; returns a copy of the HF model ``hf`` with the adapter merged into its
+    weights (W + alpha / rank * B @ A), the reference for an engine that applies it."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(3)
+    merged = copy.deepcopy(hf)
+    tensors = {}
+    for i, layer in enumerate(merged.model.layers):
+        for proj in ("q_proj", "v_proj"):
+            weight = getattr(layer.self_attn, proj).weight
+            a = torch.randn(rank, weight.shape[1], generator=gen) * 0.1
+            b = torch.randn(weight.shape[0], rank, generator=gen) * 0.1
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+            with torch.no_grad():
+                weight.add_(alpha / rank * b @ a)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA",
+        "bias": "none", "base_model_name_or_path": base, "task_type": "CAUSAL_LM"}))
+    return merged

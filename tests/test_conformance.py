@@ -337,43 +337,14 @@ def test_invokes_copies_merge_in_invoke_order():
     assert d == {"a": 2, "in": ["p", "q"], "new": 0}
 
 
-def _lora_adapter(path, base: str, rank: int = 4, alpha: int = 8) -> dict[str, torch.Tensor]:
-    """A PEFT LoRA adapter of q_proj and v_proj for the tiny Llama, written to ``path``;
-    returns each weight's change (alpha / rank * B @ A) by the HF parameter's name."""
-    import json
-
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(3)
-    tensors, deltas = {}, {}
-    for i in range(4):
-        for proj in ("q_proj", "v_proj"):
-            a, b = torch.randn(rank, 128, generator=gen) * 0.1, torch.randn(128, rank, generator=gen) * 0.1
-            prefix = f"base_model.model.model.layers.{i}.self_attn.{proj}"
-            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
-            deltas[f"model.layers.{i}.self_attn.{proj}.weight"] = alpha / rank * b @ a
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA",
-        "bias": "none", "base_model_name_or_path": base, "task_type": "CAUSAL_LM"}))
-    return deltas
-
-
 def test_a_lora_adapter_is_picked_per_invoke(llama_path, hf_llama, tmp_path):
     """nnsight: ``lora_request=`` may be set per invoke. One trace, one prompt twice: the
     invoke with the adapter reads the adapted model, the other the base model (each
     equal to HF, the adapter merged into a copy's weights); plain generate takes it too."""
-    import copy
-
-    from conftest import HFRun
+    from conftest import HFRun, lora_adapter
     from vllm.lora.request import LoRARequest
 
-    deltas = _lora_adapter(tmp_path / "lora", llama_path)
-    adapted_hf = copy.deepcopy(hf_llama)
-    with torch.no_grad():
-        for name, delta in deltas.items():
-            adapted_hf.get_parameter(name).add_(delta)
+    adapted_hf = lora_adapter(tmp_path / "lora", llama_path, hf_llama)
     model = VLLM(llama_path, dispatch=True, enable_lora=True, max_lora_rank=8, dtype="float32", max_model_len=256,
                  max_num_seqs=4, seed=0, **ENGINE_KWARGS)
     try:

@@ -36,10 +36,10 @@ def one_core_per_rank():
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
-def _engine(path: str) -> VLLM:
+def _engine(path: str, **more) -> VLLM:
     with one_core_per_rank():
         return VLLM(path, dispatch=True, dtype="float32", max_model_len=512, max_num_seqs=16,
-                    tensor_parallel_size=2, seed=0, **ENGINE_KWARGS)
+                    tensor_parallel_size=2, seed=0, **more, **ENGINE_KWARGS)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,9 @@ def gqa_path(ckpt_root) -> str:
 
 @pytest.fixture(scope="module")
 def tp_llama(gqa_path):
-    model = _engine(gqa_path)
+    # LoRA enabled: vLLM wraps the linear layers, and the tests that use this engine read
+    # and edit them through the wrappers (a request without an adapter runs the base model)
+    model = _engine(gqa_path, enable_lora=True, max_lora_rank=8)
     yield model
     model.shutdown()
 
@@ -158,26 +160,50 @@ def test_reads_of_split_values_in_a_plan_equal_hf(tp_llama, hf_gqa):
     assert_close(act, ref.inp["down_proj"][:n])
 
 
-def test_a_blocks_own_calls_of_parallel_layers_take_and_give_whole_values(tp_llama, hf_gqa):
-    """nnsight's ad-hoc calls under tensor parallel: a logit lens (``lm_head(norm(h))``,
-    each rank holding a slice of the vocabulary), a column-parallel linear (the fused
-    q/k/v, split by heads) and a row-parallel one (o_proj, whose input is split) take
-    whole values and give whole ones, equal to HF."""
-    x = torch.linspace(-1, 1, 3 * 256).view(3, 256)
+def test_a_logit_lens_under_tensor_parallel_gives_the_whole_vocabulary(tp_llama, hf_gqa):
+    """nnsight's ad-hoc call ``lm_head(norm(h))`` under tensor parallel: each rank holds a
+    slice of the vocabulary; the block gets all of it, equal to HF. A layer vLLM wrapped
+    for LoRA (this engine has ``enable_lora``) cannot be called: the block fails saying
+    so, and the engine goes on (column- and row-parallel calls: the replicated-KV test)."""
     with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
         out = tp_llama.model.layers[1].output
         lens = tp_llama.lm_head(tp_llama.model.norm(out[0] + out[1])).save()
-        attn = tp_llama.model.layers[0].self_attn
-        z = x.to(attn.o_proj.weight.device)
-        qkv = attn.qkv_proj(z)[0].save()
-        o = attn.o_proj(z)[0].save()
     ref = HF(hf_gqa, list(tracer.outputs[0].prompt_token_ids)).run()
-    hf = hf_gqa.model.layers[0].self_attn
     with torch.no_grad():
         assert_close(lens, hf_gqa.lm_head(hf_gqa.model.norm(ref.hidden[2])))
-        assert lens.shape[-1] == hf_gqa.config.vocab_size
-        assert_close(qkv, torch.cat([hf.q_proj(x), hf.k_proj(x), hf.v_proj(x)], -1))
-        assert_close(o, hf.o_proj(x))
+    assert lens.shape[-1] == hf_gqa.config.vocab_size
+    x = torch.linspace(-1, 1, 3 * 256).view(3, 256)
+    with pytest.raises(NotImplementedError, match="wrapped for LoRA adapters"):
+        with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1):
+            attn = tp_llama.model.layers[0].self_attn
+            qkv = attn.qkv_proj(x.to(attn.o_proj.base_layer.weight.device))[0].save()  # noqa: F841
+    with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1):
+        after = tp_llama.logits.save()
+    assert torch.isfinite(after).all()
+
+
+def test_a_lora_adapter_under_tensor_parallel_reads_whole_values(tp_llama, gqa_path, hf_gqa, tmp_path):
+    """An invoke with a LoRA adapter (q/v) beside one without: the fused q/k/v output
+    (split by heads, read through vLLM's LoRA wrapper) comes back whole, and both the
+    adapted and the base logits equal HF's (the adapter merged into a copy)."""
+    from conftest import lora_adapter
+    from vllm.lora.request import LoRARequest
+
+    adapted_hf = lora_adapter(tmp_path / "lora", gqa_path, hf_gqa)
+    lora = LoRARequest("tp-probe", 1, str(tmp_path / "lora"))
+    with tp_llama.trace(temperature=0.0, max_tokens=1) as tracer:
+        with tracer.invoke(PROMPT, lora_request=lora):
+            qkv = tp_llama.model.layers[0].self_attn.qkv_proj.output.save()
+            adapted = tp_llama.logits.save()
+        with tracer.invoke(PROMPT):
+            base = tp_llama.logits.save()
+    assert [o.ran_as for o in tracer.outputs] == ["batched", "batched"]
+    ids = list(tracer.outputs[0].prompt_token_ids)
+    ref = layer0(adapted_hf, ids).run()
+    assert_close(qkv[0], torch.cat([ref.out["q_proj"], ref.out["k_proj"], ref.out["v_proj"]], -1))
+    assert_close(adapted[0], ref.logits[-1])
+    assert_close(base[0], HF(hf_gqa, ids).run().logits[-1])
+    assert (adapted - base).abs().max() > 1e-2
 
 
 def test_only_split_values_are_put_together(tp_llama):
@@ -458,6 +484,18 @@ def test_replicated_kv_heads_are_read_and_edited_whole(ckpt_root):
             .edit(attn.v_proj, lambda o: o + v[192:]).run()
         assert_close(logits, steered.logits[-1:])
         assert (logits - HF(hf, ids).run().logits[-1:]).abs().max() > 1e-2
+
+        # a block's own calls: a column-parallel linear gives its whole output, a
+        # row-parallel one takes the whole input
+        x = torch.linspace(-1, 1, 3 * 128).view(3, 128)
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            own = model.model.layers[0].self_attn
+            z = x.to(own.o_proj.weight.device)
+            qkv = own.qkv_proj(z)[0].save()
+            o = own.o_proj(z)[0].save()
+        with torch.no_grad():
+            assert_close(qkv, torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1))
+            assert_close(o, attn.o_proj(x))
     finally:
         model.shutdown()
 

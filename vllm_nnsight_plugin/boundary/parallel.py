@@ -155,10 +155,16 @@ def call_whole(module: Any, args: tuple, kwargs: dict) -> Any:
     them to the vocabulary's logits as vLLM's logits processor does, without its
     scaling (as Hugging Face's ``lm_head``); with token ids it embeds them. Under tensor
     parallel a call of a column-parallel linear returns its whole output, and one of a
-    row-parallel linear takes the whole input (and returns the summed output)."""
+    row-parallel linear takes the whole input (and returns the summed output). A layer
+    vLLM wrapped for LoRA adapters is refused: its adapters apply to the rows of the
+    step's batch, which a call of the block's own does not have (its kernels are not
+    safe to feed other shapes)."""
     import torch
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+    if _lora_wrapped(module):
+        raise NotImplementedError(f"{type(module).__name__} is a layer vLLM wrapped for LoRA adapters (enable_lora): a "
+                                  "block cannot call it (its adapters apply to the step's batch); read its .output")
     x = args[0] if args else None
     if isinstance(module, VocabParallelEmbedding) and isinstance(x, torch.Tensor) and x.is_floating_point():
         logits = module.quant_method.apply(module, x, bias=getattr(module, "bias", None))
@@ -180,6 +186,11 @@ def call_whole(module: Any, args: tuple, kwargs: dict) -> Any:
     return out if split_out is None else gather(out, split_out, group)[0]
 
 
+def _lora_wrapped(module: Any) -> bool:
+    """A layer vLLM replaced by its LoRA wrapper (``enable_lora``), which holds the layer."""
+    return hasattr(module, "base_layer") and type(module).__module__.startswith("vllm.lora.")
+
+
 def tp_group() -> TensorParallelGroup | None:
     """This worker's group; None with one rank."""
     ranks, rank = tp_world()
@@ -189,9 +200,12 @@ def tp_group() -> TensorParallelGroup | None:
 def shard_of(module: Any, io: str) -> Split | None:
     """How a module's value is split across tensor-parallel ranks (:class:`Split`);
     None when every rank holds the whole value. Raises NotImplementedError for a split
-    it cannot put together."""
+    it cannot put together. A layer vLLM wrapped for LoRA adapters (``enable_lora``) is
+    split as the layer it wraps."""
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
+    while _lora_wrapped(module):
+        module = module.base_layer
     if isinstance(module, ColumnParallelLinear):
         if io != "output" or module.tp_size <= 1 or module.gather_output:
             return None
