@@ -156,13 +156,19 @@ def test_trace_level_slots_and_dict_keys_take_each_invokes_writes(llama, hf_llam
 
 def test_nnsight_save_of_a_value_is_its_save(llama, hf_llama):
     """nnsight's ``nnsight.save(x)`` means ``x.save()``, in an invoke's block and in the
-    trace body; the name ``nnsight`` does not travel (a stand-in module here: nnsight
-    is not installed beside the plugin)."""
-    import types
-
+    trace body; the name ``nnsight`` does not travel (a stand-in module here, which
+    cannot be sent: nnsight is not installed beside the plugin)."""
     from conftest import HFRun
 
-    nnsight = types.SimpleNamespace(save=lambda value: value)
+    class StandIn:
+        @staticmethod
+        def save(value):
+            return value
+
+        def __reduce__(self):
+            raise TypeError("the stand-in for nnsight was sent with the block")
+
+    nnsight = StandIn()
     with llama.trace(PROMPTS[1], temperature=0.0, max_tokens=1) as tracer:
         hidden = nnsight.save(llama.model.layers[1].output[0])
     assert tracer.outputs[0].ran_as == "batched"
@@ -291,25 +297,26 @@ def test_a_body_that_starts_with_try_is_refused_and_pass_before_it_works(llama):
     assert ran and isinstance(hidden, torch.Tensor) and hidden.shape[0] == 1
 
 
-class _Unmeasurable(list):
-    def __len__(self) -> int:
-        raise LookupError("a list without a length")
-
-
-def test_an_invoke_that_fails_on_entry_leaves_no_skip_armed(llama):
-    """An error in ``__enter__`` after the block was captured (here a saved list whose
-    length cannot be read) leaves no skip armed and the thread's trace function as it
-    was; the next trace runs as always."""
+def test_an_invoke_that_fails_on_entry_leaves_no_skip_armed(llama, monkeypatch):
+    """An error in ``__enter__`` after the block was captured (here in reading what a
+    saved trace-level list held) leaves no skip armed and the thread's trace function
+    as it was; the next trace runs as always."""
     import sys
 
     from vllm_nnsight_plugin.client import capture
+    from vllm_nnsight_plugin.client import tracer as tracer_module
+
+    def unreadable(value):
+        raise LookupError("a list without a length")
 
     before = sys.gettrace()
+    monkeypatch.setattr(tracer_module, "snapshot", unreadable)
     with pytest.raises(LookupError, match="without a length"):
         with llama.trace(temperature=0.0, max_tokens=1) as tracer:
-            outs = _Unmeasurable().save()
+            outs = list().save()
             with tracer.invoke("Hello"):
                 outs.append(llama.model.layers[0].output[0])
+    monkeypatch.undo()
     skips = capture._LineSkips.get()
     assert sys.gettrace() is before and (skips is None or not skips.armed)
     with llama.trace("Hello", temperature=0.0, max_tokens=1):
@@ -370,3 +377,65 @@ def test_a_lora_adapter_is_picked_per_invoke(llama_path, hf_llama, tmp_path):
     token = plain.outputs[0].token_ids[0]
     assert token == int(want.argmax())
     assert abs(plain.outputs[0].logprobs[0][token].logprob - float(torch.log_softmax(want, -1)[token])) < 1e-4
+
+
+def test_invokes_copies_merge_what_they_changed_only():
+    """The merge's edge cases: a slot holding a tuple of tensors, or NaN, that an invoke
+    left alone keeps another invoke's write; a bool is not the int 1; a list an invoke
+    shortened is that invoke's copy; a key it removed is removed; an inner list held in
+    two slots takes an append once; subclasses (a defaultdict) are not shared."""
+    from collections import defaultdict
+
+    from vllm_nnsight_plugin.client.shared import merge, shareable, snapshot
+
+    z, nan = torch.zeros(2), float("nan")
+    shared = [(z,), (z,), nan, nan, 1]
+    before = snapshot(shared)
+    merge(shared, before, [(z + 1,), (z.clone(),), 5.0, nan, True])
+    merge(shared, before, [(z.clone(),), (z + 2,), nan, 6.0, 1])
+    assert torch.equal(shared[0][0], z + 1) and torch.equal(shared[1][0], z + 2)
+    assert shared[2:4] == [5.0, 6.0] and shared[4] is True
+    popped = [1, 2, 3]
+    merge(popped, snapshot(popped), [2, 3])
+    assert popped == [2, 3]
+    d = {"a": 1, "b": 2}
+    merge(d, snapshot(d), {"a": 1})
+    assert d == {"a": 1}
+    inner = []
+    twice = [inner, inner]
+    merge(twice, snapshot(twice), [["x"], ["x"]])
+    assert twice == [["x"], ["x"]] and twice[0] is inner
+    assert shareable([]) and shareable({}) and not shareable(defaultdict(list))
+
+
+def test_async_generate_gives_each_prompt_its_adapter():
+    """``await model.generate(prompts, lora_request=...)`` on an async engine: one adapter
+    for every prompt, or a list with one per prompt (as ``vllm.LLM.generate`` takes it).
+    The routing alone, with a recorder in the engine's place (the adapters' effect on
+    values: test_a_lora_adapter_is_picked_per_invoke)."""
+    import asyncio
+    import types
+
+    from vllm_nnsight_plugin.client.async_backend import generate_all
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        async def generate(self, prompt, params, request_id, lora_request=None):
+            self.calls.append((prompt, lora_request))
+            yield types.SimpleNamespace(prompt=prompt)
+
+    for lora, want in (("A", ["A", "A"]), (["A", None], ["A", None]), (None, [None, None])):
+        engine = Recorder()
+        outs = asyncio.run(generate_all(engine, ["p", "q"], None, lambda o: None, lora))
+        assert [o.prompt for o in outs] == ["p", "q"] and [c[1] for c in engine.calls] == want
+    with pytest.raises(ValueError, match="1 adapters for 2 prompts"):
+        asyncio.run(generate_all(Recorder(), ["p", "q"], None, lambda o: None, ["A"]))
+
+
+def test_a_served_trace_with_lora_request_says_how_a_server_picks_an_adapter():
+    from vllm_nnsight_plugin.client.served import completion_body
+
+    with pytest.raises(ValueError, match="picks a LoRA adapter by the request's model name"):
+        completion_body("tiny", "Hello", {"lora_request": object(), "max_tokens": 1}, None)

@@ -320,6 +320,13 @@ def test_a_remote_error_is_a_runtime_error_and_its_builtin_type():
         err = make_error({"type": name, "message": "it failed", "filename": "b.py", "lineno": 3, "line": "x = 1"})
         assert isinstance(err, InterventionError) and isinstance(err, RuntimeError) and isinstance(err, base), name
         assert str(err).startswith(f"{name}: it failed")
+    import traceback
+
+    syntax = make_error({"type": "SyntaxError", "message": "'return' outside function", "filename": "b.py",
+                         "lineno": 3, "line": "return 1"})
+    shown = "".join(traceback.format_exception_only(type(syntax), syntax))  # (SyntaxError prints its own fields)
+    assert "SyntaxError: 'return' outside function" in shown and 'File "b.py", line 3' in shown
+    assert "return 1" in shown and "no detail" not in shown
     for info in ({"type": "CustomError", "message": "m"}, {"type": "ExceptionGroup", "message": "m"}):
         unknown = make_error(info)
         assert type(unknown) is InterventionError and str(unknown) == f"{info['type']}: m"

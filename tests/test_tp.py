@@ -493,9 +493,11 @@ def test_replicated_kv_heads_are_read_and_edited_whole(ckpt_root):
             z = x.to(own.o_proj.weight.device)
             qkv = own.qkv_proj(z)[0].save()
             o = own.o_proj(z)[0].save()
+            o_kw = own.o_proj(input_=z)[0].save()  # (vLLM's keyword for it)
         with torch.no_grad():
             assert_close(qkv, torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1))
             assert_close(o, attn.o_proj(x))
+            assert_close(o_kw, attn.o_proj(x))
     finally:
         model.shutdown()
 

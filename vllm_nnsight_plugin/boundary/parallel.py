@@ -178,9 +178,13 @@ def call_whole(module: Any, args: tuple, kwargs: dict) -> Any:
     if group is None or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         return module.forward(*args, **kwargs)
     split_in = shard_of(module, "input")
-    if split_in is not None and split_in.kind == "sharded" and split_in.segments == "whole" and x is not None:
-        part = x.shape[-1] // group.ranks
-        args = (x[..., group.rank * part : (group.rank + 1) * part], *args[1:])
+    if split_in is not None and split_in.kind == "sharded" and split_in.segments == "whole":
+        if x is None and isinstance(kwargs.get("input_"), torch.Tensor):  # (vLLM's name for it)
+            args, x = (kwargs["input_"],), kwargs["input_"]
+            kwargs = {k: v for k, v in kwargs.items() if k != "input_"}
+        if x is not None:
+            part = x.shape[-1] // group.ranks
+            args = (x[..., group.rank * part : (group.rank + 1) * part], *args[1:])
     out = module.forward(*args, **kwargs)
     split_out = shard_of(module, "output")
     return out if split_out is None else gather(out, split_out, group)[0]

@@ -90,12 +90,16 @@ class AsyncBackend:
 async def generate_all(engine: Any, prompts: list[Any], params: Any, attach: Any, lora: Any = None) -> list[Any]:
     """``await model.generate(prompts)`` on an async engine: one request per prompt, run
     concurrently; each finished output with its results attached (installed edits'
-    saves), in the prompts' order."""
-    async def one(prompt: Any) -> Any:
+    saves), in the prompts' order. ``lora``: one adapter for all, or a list, one per
+    prompt (as ``vllm.LLM.generate`` takes it)."""
+    async def one(prompt: Any, adapter: Any) -> Any:
         last = None
-        async for output in engine.generate(prompt, params, f"nnsight-{uuid.uuid4().hex}", lora_request=lora):
+        async for output in engine.generate(prompt, params, f"nnsight-{uuid.uuid4().hex}", lora_request=adapter):
             last = output
         attach(last)
         return last
 
-    return list(await asyncio.gather(*(one(p) for p in prompts)))
+    adapters = lora if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+    if len(adapters) != len(prompts):
+        raise ValueError(f"lora_request holds {len(adapters)} adapters for {len(prompts)} prompts")
+    return list(await asyncio.gather(*(one(p, a) for p, a in zip(prompts, adapters))))

@@ -25,6 +25,8 @@ class InterventionError(RuntimeError):
         self.line = info.get("line", "")
         where = f'\n  File "{self.filename}", line {self.lineno}\n    {self.line}' if self.lineno else ""
         super().__init__(f"{self.type_name}: {self.remote_message}{where}")
+        if isinstance(self, SyntaxError):  # (its own fields, which tracebacks print, are not set by __init__)
+            self.msg, self.text, self.offset = f"{self.type_name}: {self.remote_message}", self.line or None, None
 
     def __str__(self) -> str:
         return str(self.args[0])

@@ -106,6 +106,9 @@ class Connection:
 
 
 def completion_body(model_name: str, prompt: Any, sampling: dict[str, Any], payload: str | None) -> dict[str, Any]:
+    if "lora_request" in sampling:
+        raise ValueError("lora_request= is for a local engine: a served engine picks a LoRA adapter by the "
+                         "request's model name (vllm serve --enable-lora --lora-modules NAME=PATH)")
     unknown = sorted(set(sampling) - SAMPLING_FIELDS - {"extra_args"})
     if unknown:
         raise TypeError(f"unknown sampling keyword(s) for a served trace: {', '.join(unknown)}")

@@ -28,7 +28,7 @@ from .capture import (
     skipper_for,
 )
 from .requests import check_one_prompt
-from .shared import merge, snapshot
+from .shared import merge, shareable, snapshot
 
 if TYPE_CHECKING:
     from .model import VLLM
@@ -138,7 +138,7 @@ class Tracer(_Capturing):
     def _share(self, value: Any) -> Any:
         """``.save()`` in the trace body: a list or dict the invokes may write into
         (other values are the caller's own, returned as they are)."""
-        if isinstance(value, (list, dict)):
+        if shareable(value):
             self._shared[id(value)] = value
         return value
 
@@ -215,7 +215,7 @@ class Tracer(_Capturing):
         for inv, output in zip(self._invokes, outputs):
             saves = dict(getattr(output, "saves", {}) or {})
             for name, (shared, before) in inv.shared.items():  # what this invoke wrote, in order
-                if isinstance(saves.get(name), type(shared)):
+                if type(saves.get(name)) is type(shared):
                     merge(shared, before, saves.pop(name))
             bound.update(saves)
             info = getattr(output, "nnsight_error", None)
