@@ -381,10 +381,13 @@ def test_a_lora_adapter_is_picked_per_invoke(llama_path, hf_llama, tmp_path):
 
 def test_invokes_copies_merge_what_they_changed_only():
     """The merge's edge cases: a slot holding a tuple of tensors, or NaN, that an invoke
-    left alone keeps another invoke's write; a bool is not the int 1; a list an invoke
-    shortened is that invoke's copy; a key it removed is removed; an inner list held in
-    two slots takes an append once; subclasses (a defaultdict) are not shared."""
-    from collections import defaultdict
+    left alone keeps another invoke's write; a bool is not the int 1; a named tuple that
+    comes back a tuple is unchanged; a list an invoke shortened is that invoke's copy
+    (and later invokes merge into it), a key it removed is removed (and stays removed
+    when a later invoke left it alone); an inner list held in two slots comes back as
+    two lists, and a write through either lands; a list inside itself is a value;
+    subclasses (a defaultdict) are not shared."""
+    from collections import defaultdict, namedtuple
 
     from vllm_nnsight_plugin.client.shared import merge, shareable, snapshot
 
@@ -395,16 +398,29 @@ def test_invokes_copies_merge_what_they_changed_only():
     merge(shared, before, [(z.clone(),), (z + 2,), nan, 6.0, 1])
     assert torch.equal(shared[0][0], z + 1) and torch.equal(shared[1][0], z + 2)
     assert shared[2:4] == [5.0, 6.0] and shared[4] is True
-    popped = [1, 2, 3]
-    merge(popped, snapshot(popped), [2, 3])
-    assert popped == [2, 3]
-    d = {"a": 1, "b": 2}
-    merge(d, snapshot(d), {"a": 1})
-    assert d == {"a": 1}
+    point = namedtuple("point", "x y")
+    points = [point(0, 0), point(0, 0)]
+    before = snapshot(points)
+    merge(points, before, [point(1, 1), (0, 0)])
+    merge(points, before, [(0, 0), (2, 2)])
+    assert points == [(1, 1), (2, 2)]
+    popped = [[0], [0], [0]]
+    before = snapshot(popped)
+    merge(popped, before, [[0], [0]])
+    merge(popped, before, [[0, 1], [0], [0]])  # (no error: the third item is gone)
+    assert popped == [[0, 1], [0]]
+    d = {"a": [1], "b": 2}
+    before = snapshot(d)
+    merge(d, before, {"a": [1]})
+    merge(d, before, {"a": [1], "b": 2})
+    assert d == {"a": [1]}
     inner = []
     twice = [inner, inner]
-    merge(twice, snapshot(twice), [["x"], ["x"]])
-    assert twice == [["x"], ["x"]] and twice[0] is inner
+    merge(twice, snapshot(twice), [[], ["y"]])
+    assert twice == [["y"], ["y"]] and twice[0] is inner
+    itself = []
+    itself.append(itself)
+    assert snapshot(itself)[1][0] == ("value", itself)
     assert shareable([]) and shareable({}) and not shareable(defaultdict(list))
 
 

@@ -327,6 +327,12 @@ def test_a_remote_error_is_a_runtime_error_and_its_builtin_type():
     shown = "".join(traceback.format_exception_only(type(syntax), syntax))  # (SyntaxError prints its own fields)
     assert "SyntaxError: 'return' outside function" in shown and 'File "b.py", line 3' in shown
     assert "return 1" in shown and "no detail" not in shown
+    import copy
+    import pickle
+
+    for err in (syntax, make_error({"type": "ZeroDivisionError", "message": "m", "lineno": 2, "line": None})):
+        for again in (copy.copy(err), pickle.loads(pickle.dumps(err))):
+            assert type(again).__name__ == type(err).__name__ and str(again) == str(err) and "None" not in str(err)
     for info in ({"type": "CustomError", "message": "m"}, {"type": "ExceptionGroup", "message": "m"}):
         unknown = make_error(info)
         assert type(unknown) is InterventionError and str(unknown) == f"{info['type']}: m"

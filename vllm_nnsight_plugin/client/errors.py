@@ -22,14 +22,20 @@ class InterventionError(RuntimeError):
         self.remote_message = info.get("message", "")
         self.filename = info.get("filename")
         self.lineno = info.get("lineno")
-        self.line = info.get("line", "")
-        where = f'\n  File "{self.filename}", line {self.lineno}\n    {self.line}' if self.lineno else ""
+        self.line = info.get("line") or ""
+        where = ""
+        if self.lineno:
+            place = f'File "{self.filename}", line {self.lineno}' if self.filename else f"line {self.lineno}"
+            where = f"\n  {place}" + (f"\n    {self.line}" if self.line else "")
         super().__init__(f"{self.type_name}: {self.remote_message}{where}")
         if isinstance(self, SyntaxError):  # (its own fields, which tracebacks print, are not set by __init__)
             self.msg, self.text, self.offset = f"{self.type_name}: {self.remote_message}", self.line or None, None
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+    def __reduce__(self) -> tuple:  # (copy and pickle: made again from what the engine sent)
+        return make_error, (self.info,)
 
 
 def make_error(info: dict[str, Any]) -> InterventionError:

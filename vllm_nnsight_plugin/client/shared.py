@@ -27,32 +27,32 @@ def shareable(value: Any) -> bool:
     return type(value) in (list, dict)
 
 
-def snapshot(value: Any) -> Any:
+def snapshot(value: Any, _path: frozenset[int] = frozenset()) -> Any:
     """What a shared container holds before the invokes run: its items, and those of
     the lists and dicts in it, recursively (the items themselves, not copies: nothing
-    changes the caller's container until :func:`merge`)."""
-    if type(value) is list:
-        return ("list", [snapshot(v) for v in value])
-    if type(value) is dict:
-        return ("dict", {k: snapshot(v) for k, v in value.items()})
+    changes the caller's container until :func:`merge`; a container inside itself is
+    taken as a value)."""
+    if type(value) in (list, dict) and id(value) not in _path:
+        path = _path | {id(value)}
+        if type(value) is list:
+            return ("list", [snapshot(v, path) for v in value])
+        return ("dict", {k: snapshot(v, path) for k, v in value.items()})
     return ("value", value)
 
 
-def merge(shared: Any, before: Any, returned: Any, _merged: set[int] | None = None) -> None:
+def merge(shared: Any, before: Any, returned: Any) -> None:
     """Fold one invoke's copy (``returned``) into the caller's container ``shared``,
-    whose :func:`snapshot` was ``before``. (An inner container held in several places
-    is merged once.)"""
-    merged = set() if _merged is None else _merged
-    if id(shared) in merged:
-        return
-    merged.add(id(shared))
+    whose :func:`snapshot` was ``before``. (A copy comes back without shared
+    references: an inner list held in two slots returns as two lists, and each is
+    merged into the one the caller holds.)"""
     kind, held = before
     if kind == "list":
         if len(returned) < len(held):  # (items removed: the invoke's list as it left it)
             shared[:] = returned
             return
         for i, old in enumerate(held):
-            _merge_item(shared, i, old, returned[i], merged)
+            if i < len(shared):  # (an earlier invoke may have shortened it)
+                _merge_item(shared, i, old, returned[i])
         shared.extend(returned[len(held):])
     elif kind == "dict":
         for key in held:
@@ -62,11 +62,13 @@ def merge(shared: Any, before: Any, returned: Any, _merged: set[int] | None = No
             old = held.get(key, _ABSENT)
             if old is _ABSENT:
                 shared[key] = new
-            else:
-                _merge_item(shared, key, old, new, merged)
+            elif key in shared:
+                _merge_item(shared, key, old, new)
+            elif not unchanged(old, new):  # (an earlier invoke removed it, this one wrote it)
+                shared[key] = new
 
 
-def _merge_item(shared: Any, key: Any, old: Any, new: Any, merged: set[int]) -> None:
+def _merge_item(shared: Any, key: Any, old: Any, new: Any) -> None:
     kind, value = old
     if kind == "value":
         if not same(value, new):
@@ -76,13 +78,25 @@ def _merge_item(shared: Any, key: Any, old: Any, new: Any, merged: set[int]) -> 
     if type(new) is not container:
         shared[key] = new  # (the invoke put something else there)
     elif type(shared[key]) is container:  # (else an earlier invoke put something else there)
-        merge(shared[key], old, new, merged)  # (the caller's inner container keeps its identity)
+        merge(shared[key], old, new)  # (the caller's inner container keeps its identity)
 
 
-def same(old: Any, new: Any) -> bool:
-    """Whether an invoke's copy of a value is the value it was sent: of one type, and
-    equal (tensors by their values, a copy comes back on the CPU; NaN equals NaN;
-    tuples item by item)."""
+def unchanged(before: Any, new: Any) -> bool:
+    """Whether an invoke's copy ``new`` is what :func:`snapshot` saw (``before``)."""
+    kind, held = before
+    if kind == "value":
+        return same(held, new)
+    if kind == "list":
+        return type(new) is list and len(new) == len(held) and all(unchanged(h, n) for h, n in zip(held, new))
+    return type(new) is dict and new.keys() == held.keys() and all(unchanged(held[k], new[k]) for k in held)
+
+
+def same(old: Any, new: Any, _depth: int = 0) -> bool:
+    """Whether an invoke's copy of a value is the value it was sent: equal (tensors by
+    their values, a copy comes back on the CPU; NaN equals NaN; tuples and lists item
+    by item, a named tuple being a tuple; a bool is not an int)."""
+    if _depth > 64:  # (a value inside itself)
+        return False
     if old is None or new is None:
         return old is new
     if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
@@ -93,14 +107,17 @@ def same(old: Any, new: Any) -> bool:
         old, new = old.detach().cpu(), new.detach().cpu()
         return torch.equal(old, new) or bool(((old == new) | (old.isnan() & new.isnan())).all()) \
             if old.is_floating_point() else torch.equal(old, new)
-    if type(old) is not type(new):
-        return False
-    if isinstance(old, (tuple, list)):
-        return len(old) == len(new) and all(same(a, b) for a, b in zip(old, new))
+    if isinstance(old, bool) or isinstance(new, bool):  # (True == 1, but a write of True is a write)
+        return type(old) is type(new) and old == new
+    if isinstance(old, (tuple, list)):  # (a named tuple comes back a tuple: compared item by item)
+        if not isinstance(new, (tuple, list)):
+            return False
+        return len(old) == len(new) and all(same(a, b, _depth + 1) for a, b in zip(old, new))
     if isinstance(old, dict):
-        return old.keys() == new.keys() and all(same(old[k], new[k]) for k in old)
+        return isinstance(new, dict) and old.keys() == new.keys() \
+            and all(same(old[k], new[k], _depth + 1) for k in old)
     if isinstance(old, float) and math.isnan(old):
-        return math.isnan(new)
+        return isinstance(new, float) and math.isnan(new)
     try:
         return bool(old == new)
     except Exception:  # noqa: BLE001 - a value without a plain equality: taken as written
