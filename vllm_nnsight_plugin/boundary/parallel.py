@@ -166,15 +166,14 @@ def call_whole(module: Any, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError(f"{type(module).__name__} is a layer vLLM wrapped for LoRA adapters (enable_lora): a "
                                   "block cannot call it (its adapters apply to the step's batch); read its .output")
     x = args[0] if args else None
+    group = tp_group()
     if isinstance(module, VocabParallelEmbedding) and isinstance(x, torch.Tensor) and x.is_floating_point():
         logits = module.quant_method.apply(module, x, bias=getattr(module, "bias", None))
-        group = tp_group()
         if group is not None and module.tp_size > 1:  # (each rank holds a slice of the vocabulary)
             logits = group.all_gather(logits)
         return logits[..., : module.org_vocab_size]
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    group = tp_group()
     if group is None or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         return module.forward(*args, **kwargs)
     split_in = shard_of(module, "input")

@@ -243,7 +243,7 @@ class _LineSkips:
         frame = sys._getframe(1)  # (the frame running the line: the callback's caller)
         for skipper in tuple(on):  # (another thread may arm or disarm meanwhile)
             if skipper.frame is frame and line >= skipper.body_line:
-                self.discard(skipper)
+                skipper.disarm()  # (so the with-statement's exit finds it disarmed)
                 raise SkipBlock()
 
 
@@ -267,10 +267,6 @@ def _is_invoke(node: ast.With) -> bool:
     return isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr == "invoke"
 
 
-def _is_save(node: ast.AST) -> bool:
-    return saved_expr(node) is not None
-
-
 def saves_outside_invokes(statements: tuple[ast.stmt, ...]) -> bool:
     """Whether a trace body calls ``.save()`` outside its invokes' bodies."""
     todo: list[ast.AST] = list(statements)
@@ -279,7 +275,7 @@ def saves_outside_invokes(statements: tuple[ast.stmt, ...]) -> bool:
         if isinstance(node, ast.With) and _is_invoke(node):
             todo.extend(item.context_expr for item in node.items)  # (not its body: the engine's)
             continue
-        if _is_save(node):
+        if saved_expr(node) is not None:
             return True
         todo.extend(ast.iter_child_nodes(node))
     return False

@@ -32,7 +32,7 @@ def snapshot(value: Any, _path: frozenset[int] = frozenset()) -> Any:
     the lists and dicts in it, recursively (the items themselves, not copies: nothing
     changes the caller's container until :func:`merge`; a container inside itself is
     taken as a value)."""
-    if type(value) in (list, dict) and id(value) not in _path:
+    if shareable(value) and id(value) not in _path:
         path = _path | {id(value)}
         if type(value) is list:
             return ("list", [snapshot(v, path) for v in value])
