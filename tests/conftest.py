@@ -22,6 +22,11 @@ from vllm_nnsight_plugin import tiny  # noqa: E402
 # Overrides for other machines (the GPU run sets a memory share and, if needed, a tolerance).
 TOL = float(os.environ.get("NNSIGHT_TEST_TOL", "1e-4"))
 ENGINE_KWARGS = json.loads(os.environ.get("NNSIGHT_TEST_ENGINE_KWARGS", "{}"))
+# vLLM's CUDA LoRA kernels (Triton, `lora_expand`) take fp16/bf16 adapter weights only: an
+# fp32 engine with `enable_lora` fails to start there, stock vLLM too. The fp32 LoRA tests
+# run where it starts (the CPU); test_gpu_bf16's LoRA test runs on both.
+FP32_LORA = not torch.cuda.is_available()
+FP32_LORA_SKIP = "vLLM's CUDA LoRA kernels take fp16/bf16 adapters only (test_gpu_bf16 runs LoRA there)"
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ENGINE_KWARGS, assert_close
+from conftest import ENGINE_KWARGS, FP32_LORA, FP32_LORA_SKIP, assert_close
 
 from vllm_nnsight_plugin import VLLM
 
@@ -344,6 +344,7 @@ def test_invokes_copies_merge_in_invoke_order():
     assert d == {"a": 2, "in": ["p", "q"], "new": 0}
 
 
+@pytest.mark.skipif(not FP32_LORA, reason=FP32_LORA_SKIP)
 def test_a_lora_adapter_is_picked_per_invoke(llama_path, hf_llama, tmp_path):
     """nnsight: ``lora_request=`` may be set per invoke: the invoke with the adapter
     reads the adapted model, a trace without it the base model (each equal to HF, the

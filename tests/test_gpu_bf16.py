@@ -64,3 +64,36 @@ def test_steering_sign_and_scale_bf16(bf16, hf_bf16):
     assert _cos(deltas[1], -deltas[-1]) > 0.95  # sign flips the change
     ratio = deltas[2].norm() / deltas[1].norm()
     assert 1.6 < ratio < 2.4  # twice the vector, about twice the change (near-linear regime)
+
+
+def test_a_lora_adapter_changes_logits_as_in_hf_bf16(llama_path, hf_bf16, tmp_path):
+    """LoRA in a dtype vLLM's CUDA LoRA kernels take (fp32 LoRA: test_conformance, on the
+    CPU): the adapter's trace reads the adapted model, its logits and an MLP output
+    pointing as HF's with the adapter merged into a bf16 copy, and the adapter's change of
+    the logits pointing as HF's; a trace without it reads the base model."""
+    from conftest import lora_adapter
+    from vllm.lora.request import LoRARequest
+
+    from vllm_nnsight_plugin import VLLM
+
+    adapted_hf = lora_adapter(tmp_path / "lora", llama_path, hf_bf16)
+    model = VLLM(llama_path, dispatch=True, enable_lora=True, max_lora_rank=8, dtype="bfloat16",
+                 max_model_len=256, max_num_seqs=4, seed=0, **ENGINE_KWARGS)
+    try:
+        lora = LoRARequest("probe", 1, str(tmp_path / "lora"))
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1, lora_request=lora) as tracer:
+            adapted = model.logits.save()
+            mlp = model.model.layers[1].mlp.output.save()
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            base = model.logits.save()
+    finally:
+        model.shutdown()
+    assert tracer.outputs[0].ran_as == "batched"
+    run = HFRun(adapted_hf, list(tracer.outputs[0].prompt_token_ids)).record("mlp1", adapted_hf.model.layers[1].mlp)
+    hf_adapted = run.logits()[-1].float()
+    hf_base = HFRun(hf_bf16, list(tracer.outputs[0].prompt_token_ids)).logits()[-1].float()
+    assert _cos(adapted[0], hf_adapted) > 0.999
+    assert _cos(mlp, run.records["mlp1"]) > 0.99
+    delta, hf_delta = adapted[0].float() - base[0].float(), hf_adapted - hf_base
+    assert delta.abs().max() > 0.1  # the adapter matters
+    assert _cos(delta, hf_delta) > 0.95

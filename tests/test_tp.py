@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from conftest import ENGINE_KWARGS, assert_close
+from conftest import ENGINE_KWARGS, FP32_LORA, FP32_LORA_SKIP, assert_close
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import VLLM, make_payload, tiny
@@ -49,9 +49,10 @@ def gqa_path(ckpt_root) -> str:
 
 @pytest.fixture(scope="module")
 def tp_llama(gqa_path):
-    # LoRA enabled: vLLM wraps the linear layers, and the tests that use this engine read
-    # and edit them through the wrappers (a request without an adapter runs the base model)
-    model = _engine(gqa_path, enable_lora=True, max_lora_rank=8)
+    # LoRA enabled where fp32 LoRA runs: vLLM wraps the linear layers, and the tests that
+    # use this engine read and edit them through the wrappers (a request without an adapter
+    # runs the base model)
+    model = _engine(gqa_path, **({"enable_lora": True, "max_lora_rank": 8} if FP32_LORA else {}))
     yield model
     model.shutdown()
 
@@ -163,8 +164,9 @@ def test_reads_of_split_values_in_a_plan_equal_hf(tp_llama, hf_gqa):
 def test_a_logit_lens_under_tensor_parallel_gives_the_whole_vocabulary(tp_llama, hf_gqa):
     """nnsight's ad-hoc call ``lm_head(norm(h))`` under tensor parallel: each rank holds a
     slice of the vocabulary; the block gets all of it, equal to HF. A layer vLLM wrapped
-    for LoRA (this engine has ``enable_lora``) cannot be called: the block fails saying
-    so, and the engine goes on (column- and row-parallel calls: the replicated-KV test)."""
+    for LoRA (this engine has ``enable_lora`` where fp32 LoRA runs) cannot be called: the
+    block fails saying so, and the engine goes on (column- and row-parallel calls: the
+    replicated-KV test)."""
     with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
         out = tp_llama.model.layers[1].output
         lens = tp_llama.lm_head(tp_llama.model.norm(out[0] + out[1])).save()
@@ -172,16 +174,18 @@ def test_a_logit_lens_under_tensor_parallel_gives_the_whole_vocabulary(tp_llama,
     with torch.no_grad():
         assert_close(lens, hf_gqa.lm_head(hf_gqa.model.norm(ref.hidden[2])))
     assert lens.shape[-1] == hf_gqa.config.vocab_size
-    x = torch.linspace(-1, 1, 3 * 256).view(3, 256)
-    with pytest.raises(NotImplementedError, match="wrapped for LoRA adapters"):
-        with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1):
-            attn = tp_llama.model.layers[0].self_attn
-            qkv = attn.qkv_proj(x.to(attn.o_proj.base_layer.weight.device))[0].save()  # noqa: F841
+    if FP32_LORA:
+        x = torch.linspace(-1, 1, 3 * 256).view(3, 256)
+        with pytest.raises(NotImplementedError, match="wrapped for LoRA adapters"):
+            with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1):
+                attn = tp_llama.model.layers[0].self_attn
+                qkv = attn.qkv_proj(x.to(attn.o_proj.base_layer.weight.device))[0].save()  # noqa: F841
     with tp_llama.trace(PROMPT, temperature=0.0, max_tokens=1):
         after = tp_llama.logits.save()
     assert torch.isfinite(after).all()
 
 
+@pytest.mark.skipif(not FP32_LORA, reason=FP32_LORA_SKIP)
 def test_a_lora_adapter_under_tensor_parallel_reads_whole_values(tp_llama, gqa_path, hf_gqa, tmp_path):
     """A trace with a LoRA adapter (q/v): the fused q/k/v output (split by heads, read
     through vLLM's LoRA wrapper) comes back whole, and the adapted logits and a trace's
