@@ -131,6 +131,31 @@ def test_non_finite_values_end_their_request_and_poison_nothing(llama, ops):
         _assert_same(again, reference)
 
 
+def test_a_traced_request_with_its_own_cache_salt_is_still_traced(llama):
+    """A caller's ``cache_salt`` beside the plugin's: the request is still known as traced
+    in the engine core, so its KV blocks (NaN here) are zeroed before reuse and later
+    requests stay exactly as before."""
+    from vllm_nnsight_plugin.boundary import entrypoints
+    from vllm_nnsight_plugin.boundary.whole_prompts import traced
+
+    class Request:
+        cache_salt = "mine"
+
+    request = Request()
+    entrypoints.salt_request(request, "nnsight-abc")
+    assert traced(request) and request.cache_salt.endswith("mine")
+    llm = llama.vllm_entrypoint
+    reference = llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False)
+    poisoned = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                              extra_args={"nnsight": _spec(*OVERFLOW[3])})
+    outs = llm.generate([{"prompt": p, "cache_salt": "mine"} for p in PROMPTS], [poisoned] * 3, use_tqdm=False)
+    for out in outs:
+        with pytest.raises(InterventionError, match="NaN or inf"):
+            results(out)
+    for _ in range(2):
+        _assert_same(llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False), reference)
+
+
 # ----------------------------------------------------------------- the validator
 
 

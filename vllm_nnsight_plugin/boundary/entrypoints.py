@@ -72,9 +72,11 @@ async def _finished(task: Any) -> None:
 
 
 def salt_request(engine_core_request: Any, salt: str) -> None:
-    """A cache salt: no prefix-cache reads from, or writes for, requests with another."""
+    """A cache salt: no prefix-cache reads from, or writes for, requests with another.
+    The plugin's comes first (the engine core tells traced requests by its prefix), the
+    caller's own after it."""
     old = engine_core_request.cache_salt
-    engine_core_request.cache_salt = f"{old}|{salt}" if old else salt
+    engine_core_request.cache_salt = f"{salt}|{old}" if old else salt
 
 
 def sampling_extra_args(params: Any) -> dict | None:
