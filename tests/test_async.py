@@ -131,6 +131,22 @@ def test_errors_surface_when_the_stream_ends(amodel, loop):
     assert len(seen) >= 1  # outputs before the failure were streamed
 
 
+def test_n_sequences_on_an_async_stream_are_refused_saying_why(amodel, loop):
+    """An async trace streams its outputs, and n>1 returns its sequences' saves on the
+    whole output only: refused before the engine, naming n>1 (test_sequences: n>1 on a
+    whole output). ``await model.generate(..., n=2)`` is not streamed: both sequences."""
+    async def go():
+        with amodel.trace("Hello", temperature=1.0, max_tokens=2, n=2) as tracer:
+            amodel.logits.save()
+        async for _ in tracer.backend:
+            pass
+
+    with pytest.raises(ValueError, match="n>1"):
+        run(loop, go())
+    outs = run(loop, amodel.generate(["Hello"], n=2, temperature=1.0, max_tokens=2))  # (not streamed: both)
+    assert [len(o.outputs) for o in outs] == [2]
+
+
 def test_early_cancellation_frees_everything(amodel, loop):
     async def one(i: int):
         with amodel.trace("Hello world", temperature=0.0, max_tokens=64, ignore_eos=True) as tracer:

@@ -150,6 +150,40 @@ def test_gpu_less_client_traces_a_served_engine(code_server, llama_path, hf_llam
         assert_close(steps[k][0], ref[-1])
 
 
+def test_n_sequences_over_http_each_bring_their_saves_and_streams_are_refused(code_server, llama_path, hf_llama):
+    """A served trace with n=2 (sampled): each sequence's saves come back on its choice,
+    and in the frame as a list in sequence order, each equal to HF on that sequence's
+    tokens; a stream, or per-step saves, with n>1 is a 400 naming the reason."""
+    model = VLLM(llama_path)
+    with model.trace(serve=code_server.url, api_key=KEY, temperature=1.0, seed=3, max_tokens=2,
+                     ignore_eos=True) as tracer:
+        with tracer.invoke("One two three", n=2):
+            steps = list().save()
+            for _ in tracer.all():
+                steps.append(model.logits)
+    out = tracer.outputs[0]
+    assert len(out.outputs) == 2 and isinstance(steps, list) and len(steps) == 2
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    for completion, mine in zip(out.outputs, steps):
+        assert len(mine) == 2 and all(torch.equal(a, b) for a, b in zip(completion.saves["steps"], mine))
+        ids = list(out.prompt_token_ids)
+        for k in range(2):
+            assert_close(mine[k][0], HFRun(hf_llama, ids + list(completion.token_ids[:k])).logits()[-1])
+
+    def block(model, tracer):
+        logits = model.logits.save()  # noqa: F841
+
+    body = {"model": "tiny", "prompt": "One two", "n": 2, "max_tokens": 2,
+            "vllm_xargs": {"nnsight": make_payload(block)}}
+    status, resp = code_server.post("/v1/completions", {**body, "temperature": 1.0})
+    assert status == 200 and len(resp["choices"]) == 2
+    each = resp["kv_transfer_params"]["nnsight"]["sequences"]
+    assert len(each) == 2 and all("logits" in json.dumps(one) for one in each)
+    for extra in ({"stream": True}, {"vllm_xargs": {**body["vllm_xargs"], "nnsight_stream": True}}):
+        status, err = code_server.post("/v1/completions", {**body, **extra})
+        assert status == 400 and "n>1" in json.dumps(err)
+
+
 def test_non_blocking_served_traces_are_collected_later(code_server, llama_path, hf_llama):
     """nnsight's way to fire many served traces and gather them later: blocking=False
     sends the request at the block's end; tracer.collect() waits, binds the saves and

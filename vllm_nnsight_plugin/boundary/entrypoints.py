@@ -26,10 +26,16 @@ def make_llm(model: str, kwargs: dict[str, Any]) -> Any:
     return LLM(model=model, **kwargs)
 
 
-def sampling_params(**kwargs: Any) -> Any:
-    """vLLM's ``SamplingParams`` (the client builds a request's from trace and invoke keywords)."""
+def sampling_params(whole: bool = False, **kwargs: Any) -> Any:
+    """vLLM's ``SamplingParams`` (the client builds a request's from trace and invoke
+    keywords). ``whole``: only the finished output (vLLM's ``FINAL_ONLY``, which
+    ``LLM`` sets itself; with ``n > 1`` it holds every sequence)."""
     from vllm import SamplingParams
 
+    if whole:
+        from vllm.sampling_params import RequestOutputKind
+
+        kwargs.setdefault("output_kind", RequestOutputKind.FINAL_ONLY)
     return SamplingParams(**kwargs)
 
 

@@ -1,7 +1,8 @@
 """Front-end checks (the process that accepts requests: ``LLM`` or the API server).
 
 Every payload is validated here, before it reaches the engine: structure, size,
-the operator's policy (code payloads over HTTP need an opt-in), and ``n == 1``; so
+the operator's policy (code payloads over HTTP need an opt-in), and ``n > 1`` only
+where the output comes whole; so
 are the request's other keys (payload.request_args: a flag that is not true or false).
 A traced request also gets a prefix-cache salt, so it neither reads KV computed
 without its intervention nor leaves edited KV for anyone else: its own, or, for an
@@ -82,8 +83,7 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
     reason = refusal(env["kind"], origin, configuration.additional_config(vllm_config))
     if reason:
         raise codec.PayloadError(reason)
-    if getattr(params, "n", 1) != 1:
-        raise codec.PayloadError("traced requests take n=1: run one invoke per sample instead of n>1")
+    check_sequences(params)
     table = MODULE_TABLES.get(configuration.model_key(vllm_config)) if vllm_config is not None else None
     if table is not None:
         guards.refuse_integer_writes(env, table.integer_inputs)
@@ -106,6 +106,22 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
             "declare taps. model.logits and model.samples work in every mode."
         )
     return env
+
+
+def check_sequences(params: Any) -> None:
+    """``n > 1`` runs one block per sequence (``sequences``), and the sequences' results
+    come back together on the request's whole output: refused where outputs stream
+    (``stream=true``, an async engine's per-token outputs, saves streamed per step).
+    ``params``: ``SamplingParams``, or an OpenAI request (``stream``, ``vllm_xargs``)."""
+    if (getattr(params, "n", 1) or 1) == 1:
+        return
+    kind = getattr(params, "output_kind", None)
+    extra = getattr(params, "extra_args", None) or getattr(params, "vllm_xargs", None)
+    if getattr(params, "stream", False) or (kind is not None and kind.name != "FINAL_ONLY") \
+            or request_args.parse(extra).stream:
+        raise codec.PayloadError(
+            "a traced request with n>1 returns its sequences' saves on its whole output, which a stream does "
+            "not give: ask without streaming (LLM.generate, or stream=false), or run one invoke per sample")
 
 
 def cache_salt(raw: Any, env: dict[str, Any] | None) -> str:
@@ -134,6 +150,7 @@ def _process_inputs(original: Callable) -> Callable:
         env = check_payload(raw, params, getattr(self, "vllm_config", None)) if raw is not None else None
         if edits.INSTALLED:
             edits.check_selection(asked.edits)
+            check_sequences(params)  # (installed edits trace every request)
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None or edits.INSTALLED:
             entrypoints.salt_request(request, cache_salt(raw, env))

@@ -12,11 +12,12 @@ def install() -> None:
         rpc,
         runner_v1,
         runner_v2,
+        sequences,
         server_routes,
         server_streams,
         whole_prompts,
     )
-    from .outputs import install_frames, install_saves_property
+    from .outputs import install_frames, install_saves_property, install_sequence_saves
 
     patching.when_class(patching.RUNNER_V1, runner_v1.install)
     patching.when_class(patching.RUNNER_CPU, runner_v1.install_load_model)
@@ -31,9 +32,11 @@ def install() -> None:
     patching.when_class(patching.WORKER_BASE, rpc.install)
     patching.when_class(patching.ENGINE_CORE, rpc.install_engine_core)
     patching.when_class(patching.REQUEST_OUTPUT, install_saves_property)
+    patching.when_class(patching.COMPLETION_OUTPUT, install_sequence_saves)
     patching.when_class(patching.MSGPACK_DECODER, install_frames)
     patching.when_class(patching.SERVING_COMPLETION, server_streams.install_completion)
     patching.when_class(patching.SERVING_CHAT, server_streams.install_chat)
     patching.when_class(patching.OUTPUT_PROCESSOR, server_streams.install_output_processor)
+    patching.when_class(patching.OUTPUT_PROCESSOR, sequences.install)
     for module_name, _ in patching.APP_ROUTE_HOOKS:
         patching.when_imported(module_name, server_routes.install)

@@ -39,6 +39,24 @@ def _ran_as(self: Any) -> str | None:
     return codec.ran_as_of(raw_results(self))
 
 
+SEQUENCE_RESULTS = "_nnsight_results"  # on a CompletionOutput of a request with n > 1: its sequence's
+
+
+def _sequence_saves(self: Any) -> dict[str, Any]:
+    cached = self.__dict__.get("_nnsight_saves")
+    if cached is not None:
+        return cached
+    res = codec.decode_results(self.__dict__.get(SEQUENCE_RESULTS))
+    return res.saves if res is not None else {}
+
+
+def install_sequence_saves(completion_output_cls: type) -> None:
+    """``outputs[i].saves``: what sequence ``i``'s block saved (a request with ``n > 1``)."""
+    if "saves" not in completion_output_cls.__dict__:
+        completion_output_cls.saves = property(_sequence_saves, _set_saves,
+                                               doc="Values this sequence's nnsight intervention saved.")
+
+
 def install_saves_property(request_output_cls: type) -> None:
     if "saves" not in request_output_cls.__dict__:
         request_output_cls.saves = property(_saves, _set_saves, doc="Values saved by nnsight interventions.")

@@ -62,6 +62,7 @@ ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
 
 
 REQUEST_OUTPUT = ("vllm.outputs", "RequestOutput")
+COMPLETION_OUTPUT = ("vllm.outputs", "CompletionOutput")  # (gets a property, no wrapped method)
 
 
 # msgpack between processes: decode(frames), frames[0] the message, the rest tensor data
@@ -69,6 +70,10 @@ MSGPACK_DECODER = ("vllm.v1.serial_utils", "MsgpackDecoder")
 
 
 OUTPUT_PROCESSOR = ("vllm.v1.engine.output_processor", "OutputProcessor")  # front end: outputs in
+
+
+# a request's state in the front end (n > 1: one per sequence; wrapped per instance)
+REQUEST_STATE = ("vllm.v1.engine.output_processor", "RequestState")
 
 
 SERVING_COMPLETION = ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion")
@@ -100,7 +105,11 @@ PATCHED: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
     BLOCK_POOL: {BLOCK_POOL_ALLOCATE: ("self", "num_blocks")},
     INPUT_PROCESSOR: {"process_inputs": ("self", "request_id", "prompt", "params")},
     MSGPACK_DECODER: {"decode": ("self", "bufs")},
-    OUTPUT_PROCESSOR: {"process_outputs": ("self", "engine_core_outputs")},
+    OUTPUT_PROCESSOR: {"process_outputs": ("self", "engine_core_outputs"),
+                       "add_request": ("self", "request", "prompt", "parent_req", "request_index")},
+    REQUEST_STATE: {"make_request_output": ("self", "new_token_ids", "pooling_output", "finish_reason",
+                                            "stop_reason", "kv_transfer_params"),
+                    "_new_completion_output": ("self",)},
     SERVING_COMPLETION: {"create_completion": ("self", "request"), "completion_stream_generator": ("self", "request")},
     SERVING_CHAT: {"create_chat_completion": ("self", "request"),
                    "chat_completion_stream_generator": ("self", "request")},
@@ -113,6 +122,7 @@ PATCHED_FUNCTIONS = {(RUNNER_V2[0], V2_GRAPH_DISPATCH): (("num_reqs", "num_token
 
 
 _MARK = "__nnsight_wrapped__"
+_SUBCLASS = "__nnsight_subclass__"  # on a class subclass_with made
 
 
 def _wrap(owner: Any, name: str, current: Callable, make: Callable[[Callable], Callable]) -> None:
@@ -131,6 +141,23 @@ def patch_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> 
     if name not in PATCHED.get((cls.__module__, cls.__name__), ()):
         raise LookupError(f"{cls.__module__}.{cls.__name__}.{name} is not listed in boundary.patching.PATCHED")
     _wrap(cls, name, cls.__dict__.get(name) or getattr(cls, name), make)
+
+
+@functools.cache
+def subclass_with(cls: type, makes: tuple[tuple[str, Callable[[Callable], Callable]], ...]) -> type:
+    """A subclass of ``cls`` with the methods ``makes`` names wrapped: an object switched
+    to it (``obj.__class__ = ...``) takes the wraps, and no other object of ``cls`` pays a
+    call. Only what :data:`PATCHED` lists for ``cls``. (One subclass per ``cls`` and
+    wraps: made once.)"""
+    if getattr(cls, _SUBCLASS, False):  # (an object switched already)
+        return cls
+    namespace: dict[str, Any] = {"__module__": cls.__module__, _SUBCLASS: True}
+    for name, make in makes:
+        if name not in PATCHED.get((cls.__module__, cls.__name__), ()):
+            raise LookupError(f"{cls.__module__}.{cls.__name__}.{name} is not listed in boundary.patching.PATCHED")
+        original = getattr(cls, name)
+        namespace[name] = functools.update_wrapper(make(original), original)
+    return type(cls.__name__, (cls,), namespace)
 
 
 def wrap_module_function(module: Any, name: str, make: Callable[[Callable], Callable]) -> None:

@@ -23,6 +23,12 @@ from typing import Any
 _END = object()
 
 
+def _worded(exc: BaseException) -> BaseException:
+    """AsyncLLM re-raises a refusal (a payload the front end refused) as an error with no
+    words of its own: the refusal itself, which says why."""
+    return exc.__cause__ if not str(exc) and isinstance(exc.__cause__, ValueError) else exc
+
+
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -45,7 +51,7 @@ class AsyncBackend:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - surfaced to the consumer
-            await self._queue.put(_Failure(exc))
+            await self._queue.put(_Failure(_worded(exc)))
         finally:
             self._queue.put_nowait(_END)
 
@@ -94,8 +100,14 @@ async def generate_all(engine: Any, prompts: list[Any], params: Any, attach: Any
     prompt (as ``vllm.LLM.generate`` takes it)."""
     async def one(prompt: Any, adapter: Any) -> Any:
         last = None
-        async for output in engine.generate(prompt, params, f"nnsight-{uuid.uuid4().hex}", lora_request=adapter):
-            last = output
+        try:
+            async for output in engine.generate(prompt, params, f"nnsight-{uuid.uuid4().hex}", lora_request=adapter):
+                last = output
+        except Exception as exc:  # noqa: BLE001 - re-raised, with its words
+            worded = _worded(exc)
+            if worded is exc:
+                raise
+            raise worded from None
         attach(last)
         return last
 

@@ -194,7 +194,7 @@ class VLLM(Envoy):
             and not isinstance(prompts[0][0], int) else list(prompts)
         kw = sampling_kwargs(sampling, {}, None)
         lora = kw.pop("lora_request", None)  # (one adapter for every prompt, as vLLM's generate takes it)
-        params = sampling_params(**kw)
+        params = sampling_params(whole=self.mode == "async", **kw)  # (async: only the last output is kept)
         if self.mode == "async":
             from .async_backend import generate_all
 

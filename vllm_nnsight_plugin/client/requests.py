@@ -65,18 +65,50 @@ def sampling_kwargs(trace_kw: dict[str, Any], invoke_kw: dict[str, Any], default
     return merged
 
 
-def attach_results(output: Any) -> None:
-    """Decode results onto the output: ``.saves``, ``.nnsight_error``, warnings."""
+class _OneSequence:
+    """``tracer.result`` of one of ``n`` sequences' blocks: the request's output with
+    only that sequence's ``outputs``."""
 
+    def __init__(self, output: Any, completion: Any):
+        self._output, self.outputs = output, [completion]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._output, name)
+
+
+def _resolver(output: Any) -> Any:
     def resolve(path: list) -> Any:
         value = output
         for op, arg in path:
             value = getattr(value, arg) if op == "attr" else value[arg]
         return value
 
+    return resolve
+
+
+def attach_results(output: Any) -> None:
+    """Decode results onto the output: ``.saves``, ``.nnsight_error``, warnings, and each
+    sequence's onto its ``outputs[i]``. With ``n > 1`` the output's are merged as
+    nnsight merges them (``codec.merge_sequences``), and ``.nnsight_sequence_saves``
+    keeps each sequence's saves for the trace's shared containers."""
     from ..boundary.outputs import raw_results
 
-    res = codec.decode_results(raw_results(output), resolve)
+    raw = raw_results(output)
+    each = codec.sequences_of(raw) if raw is not None else None
+    if each is None:
+        res = codec.decode_results(raw, _resolver(output))
+        if res is not None and len(output.outputs) == 1:
+            output.outputs[0].saves, output.outputs[0].nnsight_error = res.saves, res.error
+    else:
+        decoded: list[codec.Results | None] = [None] * len(each)
+        for completion in output.outputs:  # (by index: choices in order, or not)
+            if completion.index < len(each):
+                one = codec.decode_results(each[completion.index], _resolver(_OneSequence(output, completion)))
+                if one is not None:
+                    completion.saves, completion.nnsight_error = one.saves, one.error
+                decoded[completion.index] = one
+        res = codec.merge_sequences(decoded)
+        output.nnsight_sequence_saves = [r.saves if r is not None else {} for r in decoded]
     if res is None:
         return
     output.saves = res.saves

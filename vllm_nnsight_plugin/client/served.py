@@ -51,6 +51,8 @@ class ServedCompletion:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: Any
+    saves: dict[str, Any] = field(default_factory=dict)  # (n > 1: this sequence's)
+    nnsight_error: dict[str, Any] | None = None
 
 
 @dataclass

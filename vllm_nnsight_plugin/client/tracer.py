@@ -214,9 +214,13 @@ class Tracer(_Capturing):
         first_error = None
         for inv, output in zip(self._invokes, outputs):
             saves = dict(getattr(output, "saves", {}) or {})
+            # (n > 1: each sequence's block wrote its own copy of a shared container)
+            copies = getattr(output, "nnsight_sequence_saves", None) or [saves]
             for name, (shared, before) in inv.shared.items():  # what this invoke wrote, in order
-                if type(saves.get(name)) is type(shared):
-                    merge(shared, before, saves.pop(name))
+                for copy in copies:
+                    if type(copy.get(name)) is type(shared):
+                        merge(shared, before, copy[name])
+                        saves.pop(name, None)
             bound.update(saves)
             info = getattr(output, "nnsight_error", None)
             if info is not None and first_error is None:

@@ -286,6 +286,9 @@ def results_of(encoded_saves: dict[str, Any], error: dict[str, Any] | None, warn
     return out
 
 
+SEQUENCES = "sequences"  # n > 1: the results of each sequence (one block each), in sequence order
+
+
 @dataclass
 class Results:
     """Decoded results of one request."""
@@ -301,8 +304,18 @@ def _results_dict(raw: Any) -> Any:
     return json.loads(raw) if isinstance(raw, str) else raw
 
 
+def sequences_of(raw: Any) -> list[Any] | None:
+    """A request with ``n > 1``: each sequence's raw results in sequence order (None for
+    a sequence that carried none); None for a request of one sequence."""
+    raw = _results_dict(raw)
+    return raw.get(SEQUENCES) if isinstance(raw, dict) else None
+
+
 def ran_as_of(raw: Any) -> str | None:
     """How the request ran, from ``kv_transfer_params["nnsight"]``, its saves left as they are."""
+    each = sequences_of(raw)
+    if each is not None:
+        return "; ".join(dict.fromkeys(r for r in map(ran_as_of, each) if r)) or None
     raw = _results_dict(raw)
     return raw.get("ran_as") if isinstance(raw, dict) else None
 
@@ -311,6 +324,21 @@ def decode_results(raw: Any, resolve_result: Callable | None = None) -> Results 
     """Decode ``kv_transfer_params["nnsight"]`` (None when the request had none)."""
     if raw is None:
         return None
+    each = sequences_of(raw)
+    if each is not None:
+        return merge_sequences([decode_results(r, resolve_result) for r in each])
     raw = _results_dict(raw)
     saves = {k: tagged.decode(v, resolve_result) for k, v in (raw.get("saves") or {}).items()}
     return Results(saves, raw.get("error"), list(raw.get("warnings") or []), raw.get("ran_as"))
+
+
+def merge_sequences(each: list[Results | None]) -> Results:
+    """The results of a request with ``n > 1`` (one block per sequence, ``each`` in
+    sequence order, None for a sequence without results): every saved name is a list
+    of ``n`` values in sequence order (None where that sequence saved nothing, e.g. it
+    failed first); the first sequence's error; every warning."""
+    names = dict.fromkeys(name for res in each if res is not None for name in res.saves)
+    saves = {name: [res.saves.get(name) if res is not None else None for res in each] for name in names}
+    done = [r for r in each if r is not None]
+    return Results(saves, next((r.error for r in done if r.error), None), [w for r in done for w in r.warnings],
+                   "; ".join(dict.fromkeys(r.ran_as for r in done if r.ran_as)) or None)
