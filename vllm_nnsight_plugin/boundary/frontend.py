@@ -150,7 +150,8 @@ def _process_inputs(original: Callable) -> Callable:
         env = check_payload(raw, params, getattr(self, "vllm_config", None)) if raw is not None else None
         if edits.INSTALLED:
             edits.check_selection(asked.edits)
-            check_sequences(params)  # (installed edits trace every request)
+            if raw is None:  # (installed edits trace every request; check_payload checked the others)
+                check_sequences(params)
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None or edits.INSTALLED:
             entrypoints.salt_request(request, cache_salt(raw, env))

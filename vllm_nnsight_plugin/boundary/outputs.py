@@ -16,17 +16,17 @@ def raw_results(output: Any) -> Any:
     return (getattr(output, "kv_transfer_params", None) or {}).get(codec.PAYLOAD_KEY)
 
 
-def results_of(output: Any) -> codec.Results | None:
-    """Decoded results on a ``RequestOutput`` (None when it carried no payload)."""
-    return codec.decode_results(raw_results(output))
+def _saves_property(raw_of: Callable[[Any], Any], doc: str) -> property:
+    """``.saves``, decoded from the raw results ``raw_of`` finds on the object (until
+    the client sets them: then those)."""
+    def saves(self: Any) -> dict[str, Any]:
+        cached = self.__dict__.get("_nnsight_saves")
+        if cached is not None:
+            return cached
+        res = codec.decode_results(raw_of(self))
+        return res.saves if res is not None else {}
 
-
-def _saves(self: Any) -> dict[str, Any]:
-    cached = self.__dict__.get("_nnsight_saves")
-    if cached is not None:
-        return cached
-    res = results_of(self)
-    return res.saves if res is not None else {}
+    return property(saves, _set_saves, doc=doc)
 
 
 def _set_saves(self: Any, value: dict[str, Any]) -> None:
@@ -42,24 +42,16 @@ def _ran_as(self: Any) -> str | None:
 SEQUENCE_RESULTS = "_nnsight_results"  # on a CompletionOutput of a request with n > 1: its sequence's
 
 
-def _sequence_saves(self: Any) -> dict[str, Any]:
-    cached = self.__dict__.get("_nnsight_saves")
-    if cached is not None:
-        return cached
-    res = codec.decode_results(self.__dict__.get(SEQUENCE_RESULTS))
-    return res.saves if res is not None else {}
-
-
 def install_sequence_saves(completion_output_cls: type) -> None:
     """``outputs[i].saves``: what sequence ``i``'s block saved (a request with ``n > 1``)."""
     if "saves" not in completion_output_cls.__dict__:
-        completion_output_cls.saves = property(_sequence_saves, _set_saves,
-                                               doc="Values this sequence's nnsight intervention saved.")
+        completion_output_cls.saves = _saves_property(lambda c: c.__dict__.get(SEQUENCE_RESULTS),
+                                                      "Values this sequence's nnsight intervention saved.")
 
 
 def install_saves_property(request_output_cls: type) -> None:
     if "saves" not in request_output_cls.__dict__:
-        request_output_cls.saves = property(_saves, _set_saves, doc="Values saved by nnsight interventions.")
+        request_output_cls.saves = _saves_property(raw_results, "Values saved by nnsight interventions.")
     if "ran_as" not in request_output_cls.__dict__:
         request_output_cls.ran_as = property(_ran_as, doc="How the request's interventions ran: 'batched', "
                                                           "or 'code: <file>:<line> (<why>)'; ';'-joined.")
