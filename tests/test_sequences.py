@@ -56,28 +56,39 @@ def test_each_of_n_sequences_runs_the_block_on_its_own_rows(gpt2, hf_gpt2):
 
 
 def test_edit_only_steering_applies_to_every_sequence(gpt2, hf_gpt2):
-    """An edit-only plan (steering every step, nothing read: the sequences share the
-    spec's prefix-cache salt) with n=2, sampled (vLLM takes n>1 only so): the logprob of
-    every token each sequence drew is the steered model's, equal to HF steered on that
-    sequence's tokens, and not the unsteered model's."""
+    """Steering every step, nothing read, with n=2, sampled (vLLM takes n>1 only so): as
+    an nnsight block (each sequence with a salt of its own) and as the same JSON spec
+    (whose sequences share the spec's prefix-cache salt), the logprob of every token
+    each sequence drew is the steered model's, equal to HF steered on that sequence's
+    tokens, and not the unsteered model's."""
+    import json
+
+    from vllm import SamplingParams
+
     v = torch.linspace(-1, 1, 128) * 4
     prompt = "The capital of Japan is"
     with gpt2.trace(temperature=1.0, max_tokens=3, ignore_eos=True, logprobs=0) as tracer:
         with tracer.invoke(prompt, n=2):
             for _ in tracer.all():
                 gpt2.transformer.h[1].output[:] += v
-    out = tracer.outputs[0]
-    assert out.ran_as == "batched" and len(out.outputs) == 2
-    p = len(out.prompt_token_ids)
-    for completion in out.outputs:
-        ids = list(out.prompt_token_ids) + list(completion.token_ids)
-        steered = torch.log_softmax(HFRun(hf_gpt2, ids).edit(hf_gpt2.transformer.h[1], lambda t: t + v).logits(), -1)
-        clean = torch.log_softmax(HFRun(hf_gpt2, ids).logits(), -1)
-        for step, token in enumerate(completion.token_ids):
-            got = completion.logprobs[step][token].logprob
-            assert abs(got - float(steered[p - 1 + step, token])) < 1e-4
-        assert max(abs(completion.logprobs[k][t].logprob - float(clean[p - 1 + k, t]))
-                   for k, t in enumerate(completion.token_ids)) > 1e-2  # (the steering matters)
+    spec = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "add", "module": "transformer.h.1", "value": v.tolist(), "steps": "all"}]})
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=3, ignore_eos=True, logprobs=0,
+                            extra_args={"nnsight": spec})
+    as_spec = gpt2.vllm_entrypoint.generate([prompt], params, use_tqdm=False)[0]
+    for out in (tracer.outputs[0], as_spec):
+        assert out.ran_as == "batched" and len(out.outputs) == 2
+        p = len(out.prompt_token_ids)
+        for completion in out.outputs:
+            ids = list(out.prompt_token_ids) + list(completion.token_ids)
+            steered = torch.log_softmax(
+                HFRun(hf_gpt2, ids).edit(hf_gpt2.transformer.h[1], lambda t: t + v).logits(), -1)
+            clean = torch.log_softmax(HFRun(hf_gpt2, ids).logits(), -1)
+            for step, token in enumerate(completion.token_ids):
+                got = completion.logprobs[step][token].logprob
+                assert abs(got - float(steered[p - 1 + step, token])) < 1e-4
+            assert max(abs(completion.logprobs[k][t].logprob - float(clean[p - 1 + k, t]))
+                       for k, t in enumerate(completion.token_ids)) > 1e-2  # (the steering matters)
 
 
 def test_plain_vllm_generate_with_n_gives_each_sequence_its_saves(gpt2, hf_gpt2):
