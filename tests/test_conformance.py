@@ -456,3 +456,27 @@ def test_a_served_trace_with_lora_request_says_how_a_server_picks_an_adapter():
 
     with pytest.raises(ValueError, match="picks a LoRA adapter by the request's model name"):
         completion_body("tiny", "Hello", {"lora_request": object(), "max_tokens": 1}, None)
+
+
+def test_a_saved_defaultdict_keeps_its_factory_and_holds_every_step(llama, hf_llama):
+    """``defaultdict(list).save()``: a missing key gets a fresh list, and what goes into
+    it each step is kept (a copy, as ``.save()`` makes)."""
+    from collections import defaultdict
+
+    from conftest import HFRun
+
+    with llama.trace("The capital of Japan is", max_tokens=3, temperature=0.0, ignore_eos=True) as tracer:
+        by_name = defaultdict(list).save()
+        for step in tracer.iter[:3]:
+            by_name["hidden"].append(llama.model.layers[0].output[0])
+            by_name["steps"].append(step)
+    assert by_name["steps"] == [0, 1, 2]
+    out = tracer.outputs[0]
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    run = HFRun(hf_llama, ids[:-1]).record("mlp0", hf_llama.model.layers[0].mlp)
+    run.logits()
+    n = len(out.prompt_token_ids)
+    want = [run.records["mlp0"][:n], run.records["mlp0"][n:n + 1], run.records["mlp0"][n + 1:n + 2]]
+    assert len(by_name["hidden"]) == 3
+    for got, ref in zip(by_name["hidden"], want):
+        assert_close(got, ref)

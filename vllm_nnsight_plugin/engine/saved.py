@@ -48,11 +48,22 @@ class SavedList(list):
 
 
 class SavedDict(dict):
-    """A dict a block saved: values put into it later are kept as copies (see SavedList)."""
+    """A dict a block saved: values put into it later are kept as copies (see SavedList).
+    A saved ``defaultdict`` keeps its ``default_factory``: a missing key gets a fresh
+    value, itself a saved container (``d[k].append(h)`` copies ``h``)."""
 
-    def __init__(self, items: Any = (), copy: Callable[[Any], Any] = lambda v: v):
+    def __init__(self, items: Any = (), copy: Callable[[Any], Any] = lambda v: v,
+                 default_factory: Callable[[], Any] | None = None):
         super().__init__(items)
         self._copy = copy
+        self.default_factory = default_factory
+
+    def __missing__(self, key: Any) -> Any:
+        if self.default_factory is None:
+            raise KeyError(key)
+        value = saved_containers(self.default_factory(), self._copy)
+        super().__setitem__(key, value)
+        return value
 
     def __setitem__(self, key: Any, value: Any) -> None:
         super().__setitem__(key, self._copy(value))
@@ -73,5 +84,6 @@ def saved_containers(value: Any, copy: Callable[[Any], Any]) -> Any:
     if isinstance(value, list) and not isinstance(value, SavedList):
         return SavedList((saved_containers(v, copy) for v in value), copy)
     if isinstance(value, dict) and not isinstance(value, SavedDict):
-        return SavedDict(((k, saved_containers(v, copy)) for k, v in value.items()), copy)
+        return SavedDict(((k, saved_containers(v, copy)) for k, v in value.items()), copy,
+                         getattr(value, "default_factory", None))
     return value

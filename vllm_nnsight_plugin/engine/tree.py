@@ -7,6 +7,7 @@ and other objects are leaves.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +25,8 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if type(value) is tuple:  # a decoder layer's (hidden, residual): no call per tensor
         return tuple(fn(v) if type(v) is torch.Tensor else map_tensors(v, fn) for v in value)
     if isinstance(value, dict):
-        return {k: map_tensors(v, fn) for k, v in value.items()}
+        mapped = {k: map_tensors(v, fn) for k, v in value.items()}
+        return defaultdict(value.default_factory, mapped) if isinstance(value, defaultdict) else mapped
     if isinstance(value, list):  # (a saved list of per-step rows: no call per row)
         return [fn(v) if type(v) is torch.Tensor else map_tensors(v, fn) for v in value]
     if _container(value):
