@@ -752,6 +752,10 @@ def test_spec_edit_without_code_opt_in_and_its_saves_in_plain_responses(spec_ser
         status, err = spec_server.post("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1,
                                                            "vllm_xargs": {"nnsight_edits": "nope"}})
         assert status == 400 and "unknown edit" in json.dumps(err)
+        # the installed edit traces every request: n>1 cannot stream its sequences' saves
+        status, err = spec_server.post("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1,
+                                                           "n": 2, "temperature": 1.0, "stream": True})
+        assert status == 400 and "n>1" in json.dumps(err), (status, err)
     finally:
         req = urllib.request.Request(spec_server.url + "/v1/nnsight/edits", method="DELETE")
         req.add_header("Authorization", f"Bearer {KEY}")

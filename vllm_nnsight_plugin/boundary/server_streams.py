@@ -19,11 +19,12 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from ..engine import edits
 from ..payload import codec, request_args
 from ..payload import values as tagged
 from ..payload.codec import LARGE_PAYLOAD
 from . import engine_core, entrypoints, patching
-from .frontend import check_payload, ensure_module_table
+from .frontend import check_payload, check_sequences, ensure_module_table
 from .outputs import raw_results
 
 logger = logging.getLogger("vllm.nnsight_plugin")
@@ -41,14 +42,14 @@ def _payload(request: Any) -> Any:
 def _reject(serving: Any, request: Any) -> Any:
     """An ErrorResponse (HTTP 400) when the payload, a flag or the edit selection is
     refused, else None."""
-    from ..engine import edits
-
     try:
         args = request_args.parse(_xargs(request))
         if args.edits is not None:
             edits.check_selection(args.edits)
         raw = args.payload
         if raw is None:
+            if edits.INSTALLED:  # (installed edits trace every request)
+                check_sequences(request)
             return None
         prompt = getattr(request, "prompt", None)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -107,7 +108,7 @@ def _every_step(request: Any) -> bool:
 
 def _create(original: Callable) -> Callable:
     async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if request_args.mentioned(_xargs(request)):
+        if request_args.mentioned(_xargs(request)) or edits.INSTALLED:  # (installed edits trace every request)
             raw = _payload(request)
             if raw is not None:
                 await ensure_module_table(getattr(self, "engine_client", None))
