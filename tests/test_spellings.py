@@ -12,6 +12,7 @@ from conftest import TOL, assert_close
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import make_payload, results
+from vllm_nnsight_plugin.engine.tree import leaves
 
 V = torch.linspace(-1, 1, 128)  # a steering vector of the tiny Llama's width
 LAYER = 1  # a named layer constant, as nnsight's own examples write it
@@ -41,6 +42,14 @@ def read_last_row(model, tracer):
 def residual_of(layer):
     out = layer.output
     return out[0] + out[1]
+
+
+def read_whole_output(model, tracer):
+    out = model.model.layers[1].output.save()  # noqa: F841 - (hidden, residual)
+
+
+def read_a_linear(model, tracer):
+    o = model.model.layers[1].self_attn.o_proj.output[0].save()  # noqa: F841 - vLLM's (output, bias)
 
 
 def read_through_a_helper(model, tracer):
@@ -91,6 +100,12 @@ def capture_all_residual(model, tracer):
     rows = rows.save()
 
 
+def capture_whole_output(model, tracer):
+    outs = list().save()
+    for _ in tracer.all():
+        outs.append(model.model.layers[2].output)
+
+
 def capture_with_iter_last_row(model, tracer):
     rows = list().save()
     with tracer.iter[:] as it:  # noqa: F841
@@ -116,6 +131,13 @@ def steer_all_read_once(model, tracer):
         model.model.layers[0].output[0][:] += V
         if step == 0:
             s = residual_of(model.model.layers[2]).save()  # noqa: F841
+
+
+def steer_a_linear(model, tracer):
+    seen = list().save()
+    for _ in tracer.all():
+        model.model.layers[1].mlp.down_proj.output[0][:] += V
+        seen.append(model.model.layers[2].output[0])
 
 
 def steer_with_all_named(model, tracer):
@@ -303,6 +325,14 @@ def _add(v, rows=None, steps=None, prompt_len=0):
     return fn
 
 
+def _whole(out, h, layer: int, rows) -> list:
+    """A decoder layer's whole output ``(hidden, residual)`` against HF: the hidden
+    part, and the sum (HF's layer output)."""
+    assert isinstance(out, tuple) and len(out) == 2, type(out)
+    rows = torch.as_tensor(rows)
+    return [(out[0], h[f"mlp{layer}"][rows]), (out[0] + out[1], h[f"layer{layer}"][rows])]
+
+
 def _at_prompt(prompt_len, fn):
     """An HF edit of the prompt's rows only (a block's edit outside a step loop)."""
     return lambda t, pos: torch.where((pos < prompt_len)[:, None], fn(t), t)
@@ -318,6 +348,8 @@ def _zoo():
         "read_residual_sum": (read_residual_sum, {}, lambda s, h, p: [(s["s"], h["layer1"][:p])]),
         "read_named_constant": (read_named_constant, {}, lambda s, h, p: [(s["h"], h["attn1"][:p])]),
         "read_last_row": (read_last_row, {}, lambda s, h, p: [(s["last"], h["mlp2"][p - 1])]),
+        "read_whole_output": (read_whole_output, {}, lambda s, h, p: _whole(s["out"], h, 1, range(p))),
+        "read_a_linear": (read_a_linear, {}, lambda s, h, p: [(s["o"], h["attn1"][:p])]),
         "read_through_a_helper": (read_through_a_helper, {}, lambda s, h, p: [(s["r"], h["layer3"][:p])]),
         "read_unpacked": (read_unpacked, {}, lambda s, h, p: [(s["h"], h["mlp0"][:p])]),
         "read_negative_index_clone": (read_negative_index_clone, {}, lambda s, h, p: [(s["x"], h["mlp3"][:p])]),
@@ -330,6 +362,9 @@ def _zoo():
                                  lambda s, h, p: zip(s["rows"], _per_step(h["mlp1"], p, ALL))),
         "capture_all_residual": (capture_all_residual, {},
                                  lambda s, h, p: zip(s["rows"], _per_step(h["layer2"], p, ALL))),
+        "capture_whole_output": (capture_whole_output, {}, lambda s, h, p: [
+            pair for out, rows in zip(s["outs"], _per_step(torch.arange(p + STEPS), p, ALL))
+            for pair in _whole(out, h, 2, rows)]),
         "capture_with_iter_last_row": (capture_with_iter_last_row, {},
                                        lambda s, h, p: zip(s["rows"], [r[-1] for r in _per_step(h["mlp3"], p, ALL)])),
         "capture_with_all": (capture_with_all, {}, lambda s, h, p: zip(s["stream"], _per_step(h["attn0"], p, ALL))),
@@ -337,6 +372,8 @@ def _zoo():
                                 lambda s, h, p: zip(s["late"], _per_step(h["mlp2"], p, [1, 2]))),
         "steer_all_read_once": (steer_all_read_once, {"mlp0": lambda p: _add(V)},
                                 lambda s, h, p: [(s["s"], h["layer2"][:p])]),
+        "steer_a_linear": (steer_a_linear, {"mlp1": lambda p: _add(V)},
+                           lambda s, h, p: zip(s["seen"], _per_step(h["mlp2"], p, ALL))),
         "steer_with_all_named": (steer_with_all_named, {"mlp1": lambda p: _add(V)},
                                  lambda s, h, p: zip(s["seen"], _per_step(h["mlp3"], p, ALL))),
         "steer_through_a_helper": (steer_through_a_helper, {"mlp1": lambda p: _add(2.0 * V)},
@@ -474,8 +511,7 @@ def test_the_same_batch_twice_gives_the_same_saves_and_reports(zoo_runs):
         a, b = results(first[name]), results(again[name])
         assert sorted(a) == sorted(b)
         for key in a:
-            xs = a[key] if isinstance(a[key], list) else [a[key]]
-            ys = b[key] if isinstance(b[key], list) else [b[key]]
+            xs, ys = list(leaves(a[key])), list(leaves(b[key]))  # (a tuple read: each element)
             assert len(xs) == len(ys) and all(same(x, y) for x, y in zip(xs, ys)), (name, key)
 
 

@@ -2,11 +2,13 @@
 module value a block reads is the whole model's (split values gathered), edits are
 written against the whole tensor and land in each rank's part, and everything
 equals a Hugging Face fp32 forward at 1e-4 - for a grouped-query Llama (4 query
-heads, 2 KV heads) and a Mixtral; in plans, as code, in caches and served."""
+heads, 2 KV heads), a Mixtral, a Qwen2-MoE and a Falcon (biases returned beside
+outputs); in plans, as code, in caches and served."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import pytest
@@ -14,7 +16,8 @@ import torch
 from conftest import ENGINE_KWARGS, FP32_LORA, FP32_LORA_SKIP, assert_close
 from vllm import SamplingParams
 
-from vllm_nnsight_plugin import VLLM, make_payload, tiny
+from vllm_nnsight_plugin import VLLM, make_payload, results, tiny
+from vllm_nnsight_plugin.client.errors import InterventionError
 from vllm_nnsight_plugin.payload import values as tagged
 
 PROMPT = "The quick brown fox jumps"
@@ -334,7 +337,6 @@ def test_a_cache_under_tensor_parallel_holds_whole_values(tp_llama, hf_gqa):
 def test_an_installed_edit_and_a_json_spec_under_tensor_parallel(tp_llama, hf_gqa):
     """An engine-wide edit steering a split value applies to plain vllm.LLM requests on
     every rank; a JSON spec reads a split value whole, batched."""
-    import json
 
     v = torch.linspace(-1, 1, 512)
     with tp_llama.edit() as (tracer, steer):
@@ -453,6 +455,96 @@ def test_partial_sums_are_summed_and_edits_of_them_land_once(ckpt_root):
         model.shutdown()
 
 
+# ------------------------------------------------------------------ biases beside outputs
+
+
+def _hf_qkv_order(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF Falcon's fused qkv (per head: q, k, v) in vLLM's order (every q, every k, every v)."""
+    return t.reshape(*t.shape[:-1], heads, 3, -1).transpose(-3, -2).reshape(t.shape)
+
+
+def test_linears_that_return_their_bias_are_read_whole_and_their_bias_is_never_edited(ckpt_root):
+    """Falcon's linears are built with skip_bias_add: ``.output`` is ``(output, bias)``,
+    the bias added later by the model. Column-parallel ones (query_key_value,
+    dense_h_to_4h) hold a slice of each; with parallel attention the row-parallel ones
+    (dense, dense_4h_to_h) hold a partial sum and the whole bias. A read gives the whole
+    output and the whole bias (output + bias is Hugging Face's linear), as a plan and as
+    code; an edit of the output equals Hugging Face's; an edit of the bias, the model's
+    own parameter, ends only that request, and the next request reads the model as it was."""
+    import transformers
+
+    path = str(tiny.ensure("falcon", ckpt_root))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    heads = hf.config.num_attention_heads
+    layer_hf = hf.transformer.h[0]
+    linears = {"qkv": layer_hf.self_attention.query_key_value, "dense": layer_hf.self_attention.dense,
+               "up": layer_hf.mlp.dense_h_to_4h, "down": layer_hf.mlp.dense_4h_to_h}
+    model = _engine(path)
+    try:
+        def read_all(**how):
+            with model.trace(PROMPT, temperature=0.0, max_tokens=1, **how) as tracer:
+                layer = model.transformer.h[0]
+                qkv = layer.self_attention.query_key_value.output.save()
+                dense = layer.self_attention.dense.output.save()
+                up = layer.mlp.dense_h_to_4h.output.save()
+                up_bias = layer.mlp.dense_h_to_4h.output[1].save()
+                down = layer.mlp.dense_4h_to_h.output.save()
+            return tracer.outputs[0], {"qkv": qkv, "dense": dense, "up": up, "up_bias": up_bias, "down": down}
+
+        for how in ({}, CODE):
+            out, got = read_all(**how)
+            assert (out.ran_as == "batched") is (not how), out.ran_as
+            ref = HF(hf, list(out.prompt_token_ids))
+            for name, module in linears.items():
+                ref.watch(name, module)
+            ref.run()
+            for name, module in linears.items():
+                output, bias = got[name]
+                hf_out = _hf_qkv_order(ref.out[name], heads) if name == "qkv" else ref.out[name]
+                hf_bias = _hf_qkv_order(module.bias.detach(), heads) if name == "qkv" else module.bias.detach()
+                assert bias.shape == hf_bias.shape, (name, bias.shape)  # the whole bias, not a rank's slice
+                assert_close(bias, hf_bias)
+                assert_close(output + bias, hf_out)
+            assert_close(got["up_bias"], layer_hf.mlp.dense_h_to_4h.bias.detach())
+
+        # an edit of the output (a plan, and code) equals HF's edit of the linear's output
+        w = torch.linspace(-1, 1, hf.config.hidden_size * 4)
+        for how in ({}, CODE):
+            with model.trace(PROMPT, temperature=0.0, max_tokens=1, **how) as tracer:
+                model.transformer.h[1].mlp.dense_h_to_4h.output[0][:] += w
+                logits = model.logits.save()
+            ref = HF(hf, list(tracer.outputs[0].prompt_token_ids)).edit(hf.transformer.h[1].mlp.dense_h_to_4h,
+                                                                         lambda o: o + w).run()
+            assert_close(logits, ref.logits[-1:])
+
+        # an edit of the bias ends its request only, as code, as an assignment and as a JSON
+        # spec; the request beside it and the model are as they were
+        def zero_bias(model, tracer):
+            model.transformer.h[0].mlp.dense_h_to_4h.output[1][:] = 0
+
+        def assign_bias(model, tracer):
+            out = model.transformer.h[0].mlp.dense_h_to_4h.output
+            model.transformer.h[0].mlp.dense_h_to_4h.output = (out[0], out[1] * 0)
+
+        spec = {"v": 1, "kind": "spec", "ops": [{"op": "zero", "module": "transformer.h.0.mlp.dense_h_to_4h",
+                                                 "index": 1}]}
+        bad = [{"nnsight": make_payload(zero_bias), "nnsight_lower": False},
+               {"nnsight": make_payload(assign_bias), "nnsight_lower": False}, {"nnsight": json.dumps(spec)}]
+        params = [SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, extra_args=x) for x in bad]
+        params.append(SamplingParams(temperature=0.0, max_tokens=1, logprobs=0))
+        outs = model.vllm_entrypoint.generate([PROMPT] * 4, params, use_tqdm=False)
+        for out in outs[:3]:
+            with pytest.raises(InterventionError, match="the model's parameters"):
+                results(out)
+        ref = HF(hf, list(outs[3].prompt_token_ids)).run()
+        logprob = outs[3].outputs[0].logprobs[0][outs[3].outputs[0].token_ids[0]].logprob
+        assert abs(logprob - float(torch.log_softmax(ref.logits[-1], -1).max())) < 1e-4
+        _, got = read_all()
+        assert_close(got["up_bias"], layer_hf.mlp.dense_h_to_4h.bias.detach())
+    finally:
+        model.shutdown()
+
+
 # ------------------------------------------------------------------ replicated KV heads
 
 
@@ -523,12 +615,9 @@ def test_pipeline_parallel_traces_every_stage(tied_llama_path, hf_tied_llama):
     op error on stage 0 ends only its request; untraced requests beside steered ones
     (on either stage) stay bit-identical. The model ties its embeddings, so the last stage
     also builds the input embedding (for the unembedding's weight) but never runs it."""
-    import json
 
     llama_path, hf_llama = tied_llama_path, hf_tied_llama
 
-    from vllm_nnsight_plugin import results
-    from vllm_nnsight_plugin.client.errors import InterventionError
     from vllm_nnsight_plugin.payload.codec import PayloadError
 
     def spec(*ops):

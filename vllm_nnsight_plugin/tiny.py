@@ -21,9 +21,10 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
 ]
 
-KINDS = ("llama", "llama_tied", "gpt2", "llama_gqa", "llama_mqa", "mixtral", "qwen2_moe")  # llama_gqa: 4
-# query heads, 2 KV heads; llama_mqa: 2 query heads, 1 KV head (replicated on both ranks of
-# tensor_parallel_size=2); llama_tied: the unembedding shares the input embedding's weight
+KINDS = ("llama", "llama_tied", "gpt2", "llama_gqa", "llama_mqa", "mixtral", "qwen2_moe", "falcon")  # llama_gqa:
+# 4 query heads, 2 KV heads; llama_mqa: 2 query heads, 1 KV head (replicated on both ranks of
+# tensor_parallel_size=2); llama_tied: the unembedding shares the input embedding's weight; falcon:
+# linears with biases that vLLM returns beside their output (skip_bias_add), parallel attention
 VERSION = 2  # bump when the checkpoint recipe changes (cached builds are keyed by it)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -108,6 +109,14 @@ def build(kind: str, path: str | os.PathLike, layers: int = 4, hidden: int = 128
             tie_word_embeddings=False, torch_dtype="float32",
         )
         model = transformers.Qwen2MoeForCausalLM(config)
+    elif kind == "falcon":  # biases returned beside the output (skip_bias_add), row-parallel partial sums
+        config = transformers.FalconConfig(
+            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+            num_kv_heads=heads, new_decoder_architecture=False, multi_query=False, parallel_attn=True,
+            bias=True, alibi=False, max_position_embeddings=1024, bos_token_id=eos, eos_token_id=eos,
+            torch_dtype="float32",
+        )
+        model = transformers.FalconForCausalLM(config)
     elif kind == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=1024,
@@ -120,6 +129,10 @@ def build(kind: str, path: str | os.PathLike, layers: int = 4, hidden: int = 128
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+        if kind == "falcon":  # (biases start at zero: nonzero ones show where they are added)
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.08)
     model.to(torch.float32).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     (path / ".complete").write_text("ok\n")

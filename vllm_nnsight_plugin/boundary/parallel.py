@@ -189,6 +189,20 @@ def call_whole(module: Any, args: tuple, kwargs: dict) -> Any:
     return out if split_out is None else gather(out, split_out, group)[0]
 
 
+def output_structure(module: Any) -> int | None:
+    """What a vLLM linear returns, which its forward's annotation leaves open (a tensor
+    or a tuple): ``(output, bias)`` (2), the bias None unless built with
+    ``skip_bias_add``; one tensor (0) when built with ``return_bias=False``. None for
+    other modules (their annotation says)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    while _lora_wrapped(module):
+        module = module.base_layer
+    if not isinstance(module, LinearBase):
+        return None
+    return 2 if getattr(module, "return_bias", True) else 0
+
+
 def _lora_wrapped(module: Any) -> bool:
     """A layer vLLM replaced by its LoRA wrapper (``enable_lora``), which holds the layer."""
     return hasattr(module, "base_layer") and type(module).__module__.startswith("vllm.lora.")

@@ -18,4 +18,5 @@ def worker_setup(model: Any, vllm_config: Any) -> WorkerSetup:
                             stand_ins=parallel.stand_in_classes(model))
     return WorkerSetup(settings=configuration.settings(vllm_config), eager=configuration.runs_eager(vllm_config),
                        dtype=configuration.model_dtype(vllm_config), tensor_parallel=parallel.tp_group(),
-                       outside_forward=runners.OUTSIDE_FORWARD, stages=stages, call_module=parallel.call_whole)
+                       outside_forward=runners.OUTSIDE_FORWARD, stages=stages, call_module=parallel.call_whole,
+                       output_structure=parallel.output_structure)

@@ -23,7 +23,6 @@ import torch
 
 from ..payload.spec import READ_OPS, is_single
 from . import arith, lanes
-from .cache import Dropped
 from .guards import check_writable
 from .host import host_copy, put_rows
 from .lane_plans import LanePlans
@@ -41,8 +40,9 @@ from .plan_ops import (
     check_structure,
     is_due,
 )
-from .rowlog import RowLog
-from .spec_runner import absolute_rows, read_value
+from .rowlog import RowLog, TupleLog
+from .rows import per_token
+from .spec_runner import absolute_rows, pick_index, read_value
 
 if TYPE_CHECKING:
     from .interleave import Interleaver
@@ -287,29 +287,11 @@ class BatchedEdits(LanePlans):
         chunks = self.inter.layout.chunks if self.inter.layout is not None else None
         chunked = bool(chunks) and any(s.req_id in chunks and s.step == 0 for s in sessions)
         if op.get("index") is None and isinstance(value, (tuple, list)):  # e.g. (hidden, residual)
-            if chunked:
-                kept = []
-                for span, session in zip(spans, sessions):
-                    if session.req_id in chunks and session.step == 0:
-                        if op.get("optional"):  # (a cache leaves the module out for this request)
-                            session.namespace[name] = Dropped()
-                        else:
-                            session.fail(f"{op['module']}: a read of a whole tuple cannot gather a prompt "
-                                         "split by chunked prefill; read one element (index) or the sum")
-                    else:
-                        kept.append((span, session))
-                if not kept:
-                    return
-                spans, sessions = [k[0] for k in kept], [k[1] for k in kept]
-            parts = [host_copy(_per_token_tensor({}, v, num_tokens)[:last]) if v is not None else None
-                     for v in value]
-            kind = type(value)
-            for (start, end), session in zip(spans, sessions):
-                view = kind(_view(p, start, end, op) if p is not None else None for p in parts)
-                if once:
-                    session.namespace[name] = session.keep(view)
-                else:
-                    session.namespace[name].append(view)  # shipped when the request ends
+            self._read_tuple(op, value, spans, sessions, num_tokens, chunks if chunked else None)
+            return
+        picked = pick_index(value, op.get("index"))
+        if picked is None or isinstance(picked, torch.nn.Parameter):  # (a linear's bias: the same for all)
+            self._read_shared(op, picked, sessions)
             return
         rows = _per_token_tensor(op, value, num_tokens)[:last]
         if chunked:
@@ -323,6 +305,53 @@ class BatchedEdits(LanePlans):
         block, first = put_rows(rows)
         for (start, end), session in zip(spans, sessions):
             session.namespace[name].add(block, first + start, first + end)
+
+    @staticmethod
+    def _read_tuple(op: dict[str, Any], value: Any, spans: list[tuple[int, int]], sessions: list[RequestSession],
+                    num_tokens: int, chunks: dict[str, Chunk] | None) -> None:
+        """A read of a whole tuple: each request's rows of every element that has a row
+        per token; an element that has not (a linear's bias) as it is, one copy for all.
+        In a step where prompts come in chunks, each request's value is a
+        :class:`.rowlog.TupleLog` that gathers its prompt's chunks."""
+        name, once, squeeze = op["name"], is_single(op), _one_row(op)
+        kind = type(value)
+        split = [per_token(v, num_tokens) for v in value]
+        last = max(end for _, end in spans)
+        kept = [None if s else host_copy(v) if isinstance(v, torch.Tensor) else v for v, s in zip(value, split)]
+        if chunks is None:
+            parts = [host_copy(v[:last]) if s else k for v, s, k in zip(value, split, kept)]
+            for (start, end), session in zip(spans, sessions):
+                view = kind(_view(p, start, end, op) if s else p for p, s in zip(parts, split))
+                if once:
+                    session.namespace[name] = session.keep(view)
+                else:
+                    session.namespace[name].append(view)  # shipped when the request ends
+            return
+        placed = [put_rows(v[:last]) if s else None for v, s in zip(value, split)]
+        for (start, end), session in zip(spans, sessions):
+            chunk = chunks.get(session.req_id) if session.step == 0 else None
+            cont = chunk is not None and chunk.start > 0
+            held = session.namespace.get(name) if once else session.namespace[name].latest()
+            if not (cont and isinstance(held, TupleLog)):
+                held = TupleLog(kind, [RowLog(squeeze=squeeze, single=True) if s else k for s, k in zip(split, kept)])
+                if once:
+                    session.namespace[name] = held
+                else:
+                    session.namespace[name].append(held)
+            held.add(placed, start, end, cont)
+            if once:
+                session.keep(held)  # (shipped again as it grows)
+
+    @staticmethod
+    def _read_shared(op: dict[str, Any], value: torch.Tensor | None, sessions: list[RequestSession]) -> None:
+        """A read of a value that is the same for every request (a linear's bias, None
+        where it has none): one copy."""
+        copy = host_copy(value) if value is not None else None
+        for session in sessions:
+            if is_single(op):
+                session.namespace[op["name"]] = session.keep(copy)
+            else:
+                session.namespace[op["name"]].append(copy)
 
     @staticmethod
     def _read_chunks(op: dict[str, Any], rows: torch.Tensor, spans: list[tuple[int, int]],

@@ -78,19 +78,6 @@ def expand(op: dict[str, Any], paths: list[str], structure_of: Callable[[str], i
     return Expansion(op["name"], tuple(reads), tuple(parts), op.get("dtype"))
 
 
-class Dropped:
-    """A cached location left out for a request (a whole tuple of a prompt split by
-    chunked prefill cannot be gathered): later steps' values are not kept either."""
-
-    __slots__ = ()
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return 0
-
-
 class ModuleCache:
     """The value bound to a cache's name in a block: the session's reads of each
     cached location, encoded as one ``$cache`` value when results ship."""
@@ -109,7 +96,7 @@ class ModuleCache:
     def _parts(self) -> Iterable[tuple[Part, list[Any]]]:
         for part in self._expansion.parts:
             found = [self._namespace.get(name) for name in part.names]
-            if all(v is not None and not (isinstance(v, (RowLog, Dropped)) and len(v) == 0) for v in found):
+            if all(v is not None and not (isinstance(v, RowLog) and len(v) == 0) for v in found):
                 yield part, found  # (a module never reached, or not per token, has no values)
 
     def values(self) -> list[Any]:

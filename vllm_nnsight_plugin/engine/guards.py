@@ -142,28 +142,43 @@ def check_writable(value: torch.Tensor, where: str) -> None:
                         "that vLLM indexes with); edits of it are refused")
 
 
-def copy_index_tensors(value: Any) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``value`` with its integer-valued tensors replaced by copies, and the
-    ``(copy, original)`` pairs (none for the usual all-float value: no copy made)."""
+def _protected(t: torch.Tensor) -> bool:
+    """A tensor a block gets a copy of: token ids, positions or indices (vLLM indexes
+    with them), or one of the model's parameters (a linear's bias that vLLM returns
+    beside its output: every later request would read an edit of it)."""
+    return not t.is_floating_point() or isinstance(t, torch.nn.Parameter)
+
+
+def copy_protected(value: Any) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``value`` with its :func:`_protected` tensors replaced by copies, and the
+    ``(copy, original)`` pairs (none for the usual value: no copy made)."""
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
+        if not _protected(value):
             return value, []
-        copy = value.clone()
+        copy = value.detach().clone()
         return copy, [(copy, value)]
-    if type(value) is tuple and all(not isinstance(v, torch.Tensor) or v.is_floating_point() for v in value):
+    if type(value) is tuple and all(not isinstance(v, torch.Tensor) or not _protected(v) for v in value):
         return value, []  # (a decoder layer's (hidden, residual): the common case, no walk)
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def swap(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point():
+        if not _protected(t):
             return t
-        copy = t.clone()
+        copy = t.detach().clone()
         pairs.append((copy, t))
         return copy
 
     return map_tensors(value, swap), pairs
 
 
-def edited(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Whether a block changed any of the copies :func:`copy_index_tensors` gave it."""
-    return any(not torch.equal(copy, original) for copy, original in pairs)
+def edited(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """What a block changed of the copies :func:`copy_protected` gave it (None: nothing)."""
+    for copy, original in pairs:
+        if not torch.equal(copy, original):
+            if isinstance(original, torch.nn.Parameter):
+                return ("is one of the model's parameters (a linear's bias, returned beside its output), "
+                        "which every request reads: edits of it are refused (the block changed its copy; "
+                        "edit the output, element 0, instead)")
+            return ("holds token ids or positions that vLLM indexes with; edits of it are refused (the block "
+                    "changed its copy)")
+    return None

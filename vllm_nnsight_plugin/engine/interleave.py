@@ -52,7 +52,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         # code blocks are recorded into plans
         piped = setup.stages
         self.lowerings = lower.Lowerings(model, setup.dtype, self.watchdog.limit_s,
-                                         piped.stand_ins if piped else None)
+                                         piped.stand_ins if piped else None, setup.output_structure)
         # tensor parallel: which locations are split across ranks
         self.splits = shards.Splits(model, setup.tensor_parallel)
         # pipeline parallel: the modules other stages hold, and how plans reach them

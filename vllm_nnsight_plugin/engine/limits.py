@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .cache import ModuleCache
-from .rowlog import RowLog
+from .rowlog import RowLog, TupleLog
 from .tree import leaves
 
 
@@ -17,7 +17,7 @@ def measure(value: Any) -> tuple[int, int]:
     for item in leaves(value):
         if isinstance(item, torch.Tensor):
             count, size = count + 1, size + item.numel() * item.element_size()
-        elif isinstance(item, RowLog):  # a batched read's per-step rows
+        elif isinstance(item, (RowLog, TupleLog)):  # a batched read's rows
             count, size = count + item.count(), size + item.nbytes()
         elif isinstance(item, ModuleCache):
             found = measure(item.values())

@@ -64,12 +64,20 @@ class Fallback:
 
 
 def recorder(model: torch.nn.Module, dtype: torch.dtype, shared: frozenset[int],
-             stand_ins: dict[int, type] | None = None) -> tuple[Recorder, Callable]:
+             stand_ins: dict[int, type] | None = None,
+             structure_of: Callable[[torch.nn.Module], int | None] | None = None) -> tuple[Recorder, Callable]:
     """A fresh recording and the resolver that loads a block's values into it (the
     model, the tracer and envoys become proxies). ``stand_ins``: the class to read a
-    module's forward from where this pipeline stage holds a placeholder for it."""
+    module's forward from where this pipeline stage holds a placeholder for it;
+    ``structure_of``: what a module returns where its forward's annotation does not say
+    (the boundary's: vLLM's linears return ``(output, bias)``)."""
     stand_ins = stand_ins or {}
-    rec = Recorder(dtype, shared, lambda m: output_structure(stand_ins.get(id(m), type(m))))
+
+    def structure(module: torch.nn.Module) -> int | None:
+        found = structure_of(module) if structure_of is not None else None
+        return found if found is not None else output_structure(stand_ins.get(id(module), type(module)))
+
+    rec = Recorder(dtype, shared, structure)
     root = RecEnvoy(rec, model, "")
     tracer = RecTracer(rec)
 
@@ -226,8 +234,10 @@ class Lowerings:
     one spec, so their ops batch by identity, and a hit records nothing."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, code_time_limit_s: float = 0.0,
-                 stand_ins: dict[int, type] | None = None):
-        self.model, self.dtype, self.stand_ins = model, dtype, stand_ins  # (stand_ins: see recorder)
+                 stand_ins: dict[int, type] | None = None,
+                 structure_of: Callable[[torch.nn.Module], int | None] | None = None):
+        self.model, self.dtype = model, dtype
+        self.stand_ins, self.structure_of = stand_ins, structure_of  # (see recorder)
         # a recording takes at most the server's code time limit (a block would too)
         self.seconds = min(record.RECORD_TIME_S, code_time_limit_s) if code_time_limit_s > 0 \
             else record.RECORD_TIME_S
@@ -249,7 +259,7 @@ class Lowerings:
         cacheable = len(env["values"]) + len(env["source"]) <= CACHEABLE
         if cacheable and key in self._cache:
             return self._cache[key]
-        rec, resolve = recorder(self.model, self.dtype, self.shared(), self.stand_ins)
+        rec, resolve = recorder(self.model, self.dtype, self.shared(), self.stand_ins, self.structure_of)
         values = codec.load_code(env, resolve).values
         try:
             found = plan_block(rec, env["source"], env["filename"], env["lineno"], values, self.seconds)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .rows import per_token
 from .spec_runner import absolute_rows, pick_index
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ def check_structure(op: dict[str, Any], value: Any) -> None:
     if want == 0:
         fits = isinstance(value, torch.Tensor)
     else:
-        fits = type(value) is tuple and len(value) == want and all(isinstance(v, torch.Tensor) for v in value)
+        fits = type(value) is tuple and len(value) == want and isinstance(value[0], torch.Tensor) \
+            and all(v is None or isinstance(v, torch.Tensor) for v in value[1:])  # (a linear's bias: None)
     if not fits:
         got = f"a tuple of ({', '.join(type(v).__name__ for v in value)})" if isinstance(value, tuple) \
             else f"a {type(value).__name__}"
@@ -52,7 +54,10 @@ def check_structure(op: dict[str, Any], value: Any) -> None:
 def _code_fits(op: dict[str, Any], code: str) -> bool:
     """Whether a tap site's value (its code, see taps.rebuild) is the op's ``structure``."""
     want = op.get("structure")
-    return want is None or code == ("T" if want == 0 else "(" + "T" * want)
+    if want is None or want == 0:
+        return want is None or code == "T"
+    # (a tensor first; then tensors, or None where a linear has no bias)
+    return len(code) == want + 1 and code[:2] == "(T" and set(code[2:]) <= {"T", "N"}
 
 
 def _where(entry: Entry) -> str:
@@ -116,6 +121,8 @@ def _gathered(op: dict[str, Any], value: Any, spans: list[Any], num_tokens: int)
         at += len(span)
 
     def pick(t: Any) -> Any:
+        if not per_token(t, num_tokens) and t is not value:  # (a tuple's shared element: a bias)
+            return t
         t = _per_token_tensor({}, t, num_tokens)
         return t.index_select(0, torch.tensor(index, device=t.device))
 
@@ -138,7 +145,10 @@ def _per_token_tensor(op: dict[str, Any], value: Any, num_tokens: int) -> torch.
     value = pick_index(value, op.get("index"))
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"the value is a {type(value).__name__}: set 'index'")
-    if value.dim() == 0 or value.shape[0] != num_tokens:
+    if isinstance(value, torch.nn.Parameter):
+        raise ValueError(f"the value (shape {tuple(value.shape)}) is one of the model's parameters (a "
+                         "linear's bias, returned beside its output): it is not per request")
+    if not per_token(value, num_tokens):
         raise ValueError(f"the value (shape {tuple(value.shape)}) has no row per token of the batch "
                          f"({num_tokens}): it cannot be split per request")
     return value

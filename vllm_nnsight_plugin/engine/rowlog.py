@@ -10,7 +10,8 @@ the buffer that leaves the worker. To the client it is a list of per-step tensor
 (``{"$tensors"}``, see :mod:`..payload.values`).
 
 A value that is not one tensor per step (a tuple such as ``(hidden, residual)``
-read without ``index``) is kept as a list of per-step views.
+read without ``index``) is kept as a list of per-step views; in a step where a
+prompt comes in chunks, as a :class:`TupleLog` (a log per element).
 
 A prompt split by chunked prefill gives its rows over several engine steps: each
 chunk continues the prompt's step (``add(..., cont=True)``), and a read of the
@@ -68,6 +69,10 @@ class RowLog:
             self._items = []
         self._items.append(value)
 
+    def latest(self) -> Any:
+        """The last value kept with :meth:`append` (None: none)."""
+        return self._items[-1] if self._items else None
+
     def __len__(self) -> int:
         return len(self._items) if self._items is not None else len(self.counts)
 
@@ -77,8 +82,8 @@ class RowLog:
     def nbytes(self) -> int:
         like = self._like()
         if like is None:
-            return sum(t.numel() * t.element_size() for t in leaves(self._items or ())
-                       if isinstance(t, torch.Tensor))
+            return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes()
+                       for t in leaves(self._items or ()) if isinstance(t, (torch.Tensor, TupleLog)))
         return sum(self.counts) * like[:1].numel() * like.element_size()
 
     def count(self) -> int:
@@ -86,7 +91,7 @@ class RowLog:
         if self.single:
             return 1
         if self._items is not None:
-            return sum(1 for _ in leaves(self._items))
+            return sum(t.count() if isinstance(t, TupleLog) else 1 for t in leaves(self._items))
         return len(self.counts)
 
     def tensors(self) -> list[Any]:
@@ -134,3 +139,32 @@ class RowLog:
         shape_of: dict[int, list[int]] = {}
         shapes = [shape_of.setdefault(n, inner if self.squeeze else [n, *inner]) for n in self.counts]
         return tagged.tensors_tag(like.dtype, shapes, data)
+
+
+class TupleLog:
+    """One step's read of a whole tuple (``(hidden, residual)``, a linear's ``(output,
+    bias)``) whose prompt may come in chunks: a :class:`RowLog` of the prompt's rows
+    per element that has a row per token, in order, and the other elements (a bias,
+    the same for every request) as they are. Encodes as the tuple."""
+
+    __slots__ = ("kind", "parts")
+
+    def __init__(self, kind: type, parts: list[Any]) -> None:
+        self.kind = kind
+        self.parts = parts  # a RowLog per per-token element; the others as they are
+
+    def add(self, placed: list[tuple[torch.Tensor, int] | None], start: int, end: int, cont: bool) -> None:
+        """This chunk's rows ``start:end`` of each per-token element's ``(block, first)``."""
+        for part, where in zip(self.parts, placed):
+            if where is not None:
+                part.add(where[0], where[1] + start, where[1] + end, cont)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() if isinstance(p, RowLog) else p.numel() * p.element_size()
+                   for p in self.parts if isinstance(p, (RowLog, torch.Tensor)))
+
+    def count(self) -> int:
+        return len(self.parts)
+
+    def __nnsight_encode__(self, binary: bool) -> Any:
+        return tagged.encode(self.kind(self.parts), binary)

@@ -47,13 +47,21 @@ class StepLayout:
         return int(self.sampled_cpu[self.rows[req_id]])
 
 
+def per_token(t: Any, num_tokens: int) -> bool:
+    """Whether ``t`` has a row per token of the step's batch. A parameter never has,
+    whatever its size: a linear built with ``skip_bias_add`` (Falcon's) returns its
+    bias beside its output, and that bias is the model's own, shared by every request."""
+    return isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == num_tokens \
+        and not isinstance(t, torch.nn.Parameter)
+
+
 def narrow(value: Any, start: int, end: int, num_tokens: int) -> Any:
     """The request's rows of a module value: views, so in-place edits land."""
-    return map_tensors(value, lambda t: t[start:end] if t.dim() > 0 and t.shape[0] == num_tokens else t)
+    return map_tensors(value, lambda t: t[start:end] if per_token(t, num_tokens) else t)
 
 
 def _per_token(value: Any, num_tokens: int) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == num_tokens for t in leaves(value))
+    return any(per_token(t, num_tokens) for t in leaves(value))
 
 
 def assign_into(target: Any, value: Any, where: str) -> None:
@@ -61,6 +69,11 @@ def assign_into(target: Any, value: Any, where: str) -> None:
     if isinstance(target, torch.Tensor):
         if not isinstance(value, torch.Tensor):
             value = torch.as_tensor(value, dtype=target.dtype, device=target.device)
+        if isinstance(target, torch.nn.Parameter):  # (a linear's bias, returned beside its output)
+            if value is target or torch.equal(value.to(device=target.device, dtype=target.dtype), target):
+                return
+            raise ValueError(f"{where} is one of the model's parameters (a linear's bias), which every "
+                             "request reads: assign the output (element 0) instead")
         try:
             target.copy_(value.to(device=target.device))
         except RuntimeError as exc:

@@ -295,9 +295,10 @@ class ValueServing:
                             guards.check_writable(t, wait.describe())
                 assign_into(view, new, wait.describe())
 
-            # index tensors (token ids, positions) reach a block as copies: an in-place edit
-            # of one would drive vLLM's kernels out of bounds, so it fails the request instead
-            given, copies = (view, ()) if row_based else guards.copy_index_tensors(view)
+            # index tensors (token ids, positions) and parameters (a bias) reach a block as
+            # copies: an in-place edit of one would drive vLLM's kernels out of bounds or
+            # change the model for everyone, so it fails the request instead
+            given, copies = (view, ()) if row_based else guards.copy_protected(view)
 
             if wait.value is not _NOTHING:
                 try:
@@ -310,8 +311,8 @@ class ValueServing:
             else:
                 serving = Serving(key, session.step, given, assign)
                 self._run(session, lambda s=session, v=given, sv=serving: s.resume(v, sv))
-            if copies and guards.edited(copies):
-                self._end_block(session, f"{wait.describe()} holds token ids or positions that vLLM indexes "
-                                         "with; edits of it are refused (the block changed its copy)")
+            why = guards.edited(copies) if copies else None
+            if why:
+                self._end_block(session, f"{wait.describe()} {why}")
         if key == ("samples",) and self.vocab is not None:
             self.check_samples(value, waiting)

@@ -21,7 +21,7 @@ from . import host
 from .block_source import compile_block
 from .budget import BlockTimeout
 from .cache import ModuleCache
-from .rowlog import RowLog
+from .rowlog import RowLog, TupleLog
 from .saved import copy_value, saved_containers
 from .tree import leaves, map_tensors
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .interleave import Interleaver
 
 _NOTHING = object()
-GROWS = (list, dict, RowLog, ModuleCache)  # saved values that change in place (shipped again at the end)
+GROWS = (list, dict, RowLog, TupleLog, ModuleCache)  # saved values that change in place (shipped again at the end)
 END = object()  # given to a block parked between steps when its request has finished
 
 

@@ -104,8 +104,8 @@ def _write_sharded(x: torch.Tensor, whole: torch.Tensor, sizes: tuple[int, ...],
 
 def gather(value: Any, split: Split, group: Collectives, inputs: bool = False) -> tuple[Any, Callable[[], None]]:
     """The whole value (a tensor, or a tuple whose first element is the split one, as
-    a linear's ``(output, bias)``; ``inputs``: a module's ``(args, kwargs)``, whose
-    first argument is) and a function that writes this rank's part of it back into
+    a linear's ``(output, bias)``, whose bias slice is put together too; ``inputs``: a
+    module's ``(args, kwargs)``, whose first argument is) and a function that writes this rank's part of it back into
     ``value`` if a block or op changed it."""
     if inputs:
         args, kwargs = value
@@ -125,6 +125,12 @@ def gather(value: Any, split: Split, group: Collectives, inputs: bool = False) -
         sizes = _sizes(split.segments, x.shape[-1])
         whole = _whole_sharded(x, sizes, group, split.replicas)
     served = (whole, *value[1:]) if element is not None else whole
+    if element is not None and not partial and _sharded_bias(value, x):
+        # a column-parallel linear built with skip_bias_add returns its bias beside its
+        # output, this rank's slice of it: served whole too, still a parameter (edits of
+        # it are refused, so nothing is written back)
+        bias = torch.nn.Parameter(_whole_sharded(value[1], sizes, group, split.replicas), requires_grad=False)
+        served = (whole, bias, *value[2:])
     STATS["tp_wholes"] += 1
     STATS["tp_whole_bytes"] += whole.numel() * whole.element_size()
 
@@ -136,6 +142,12 @@ def gather(value: Any, split: Split, group: Collectives, inputs: bool = False) -
             _write_sharded(x, whole, sizes, group.ranks, group.rank, split.replicas)
 
     return served, write_back
+
+
+def _sharded_bias(value: tuple, x: torch.Tensor) -> bool:
+    """Whether a split linear's ``(output, bias)`` holds this rank's slice of its bias."""
+    return len(value) > 1 and isinstance(value[1], torch.nn.Parameter) and value[1].dim() == 1 \
+        and value[1].shape[0] == x.shape[-1]
 
 
 class Splits:

@@ -25,6 +25,9 @@ class WorkerSetup:
     # a block's own call of a module, (module, args, kwargs) -> as the whole model computes it
     # (boundary.parallel.call_whole); None: the module's forward
     call_module: Callable[[Any, tuple, dict], Any] | None = None
+    # what a module returns where its forward's annotation does not say: 0 a tensor, N a
+    # tuple of N (boundary.parallel.output_structure: vLLM's linears); None: unknown
+    output_structure: Callable[[Any], int | None] | None = None
 
 
 @dataclass(frozen=True)
