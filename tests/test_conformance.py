@@ -480,3 +480,23 @@ def test_a_saved_defaultdict_keeps_its_factory_and_holds_every_step(llama, hf_ll
     assert len(by_name["hidden"]) == 3
     for got, ref in zip(by_name["hidden"], want):
         assert_close(got, ref)
+
+
+def test_logits_and_samples_spelled_as_before_nnsight_0_7(llama, hf_llama):
+    """nnsight before 0.7 wrapped logits and samples in modules: ``model.logits.output``
+    and ``model.samples.output`` (read and assigned) mean ``model.logits`` and
+    ``model.samples``."""
+    from conftest import HFRun
+
+    with llama.trace("The capital of Japan is", max_tokens=3, temperature=0.0, ignore_eos=True) as tracer:
+        first = llama.logits.output.save()
+        tokens = list().save()
+        for _ in tracer.iter[:3]:
+            tokens.append(llama.samples.output)
+    out = tracer.outputs[0]
+    assert_close(first[0], HFRun(hf_llama, list(out.prompt_token_ids)).logits()[-1])
+    assert [int(t) for t in tokens] == list(out.outputs[0].token_ids)
+    with llama.trace("The capital of Japan is", max_tokens=2, temperature=0.0) as tracer:
+        logits = llama.logits.output
+        llama.logits.output = torch.full_like(logits, -1e9).index_fill_(-1, torch.tensor([7]), 0.0)
+    assert tracer.outputs[0].outputs[0].token_ids[0] == 7

@@ -40,7 +40,8 @@ def module_paths(statements: tuple[ast.stmt, ...], roots: set[str]) -> Iterator[
         for node in ast.walk(stmt):
             if isinstance(node, ast.Attribute) and node.attr in TERMINALS:
                 segments = _chain(node.value, roots)
-                if segments is not None:
+                if segments is not None and segments not in (["logits"], ["samples"]):  # (model.logits.output:
+                    # nnsight's spelling before 0.7 of model.logits, always served)
                     yield ".".join(segments), node.lineno, node.attr
 
 

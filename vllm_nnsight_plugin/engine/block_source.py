@@ -27,7 +27,9 @@ def is_nnsight_module(node: ast.AST) -> bool:
 
 
 class _BlockRewriter(ast.NodeTransformer):
-    """``x.save()`` and ``nnsight.save(x)`` -> ``__nnsight_save__(x)``: save works on any object. And
+    """``x.save()`` and ``nnsight.save(x)`` -> ``__nnsight_save__(x)``: save works on any object;
+    ``model.logits.output`` (and ``.samples.output``, nnsight's spelling before 0.7) ->
+    ``model.logits``. And
     nnsight's ``with`` spelling of a step loop (``with tracer.iter[0:3]:``, ``with
     tracer.iter[:] as it:``, ``with tracer.all():``) -> the ``for`` loop it means:
     the body runs at each of those steps, ``it`` the step number."""
@@ -41,6 +43,15 @@ class _BlockRewriter(ast.NodeTransformer):
             return node
         return ast.copy_location(ast.For(target=target, iter=node.items[0].context_expr, body=node.body,
                                          orelse=[]), node)
+
+    def visit_Attribute(self, node: ast.Attribute) -> Any:
+        self.generic_visit(node)
+        inner = node.value
+        if node.attr == "output" and isinstance(inner, ast.Attribute) and inner.attr in ("logits", "samples") \
+                and isinstance(inner.value, ast.Name):
+            # nnsight before 0.7 wrapped them in modules: model.logits.output is model.logits
+            return ast.copy_location(ast.Attribute(inner.value, inner.attr, node.ctx), node)
+        return node
 
     def visit_Call(self, node: ast.Call) -> Any:
         self.generic_visit(node)
