@@ -106,6 +106,12 @@ def capture_whole_output(model, tracer):
         outs.append(model.model.layers[2].output)
 
 
+def capture_a_linears_bias(model, tracer):
+    biases = list().save()
+    for _ in tracer.all():
+        biases.append(model.model.layers[0].self_attn.o_proj.output[1])  # (None: no bias)
+
+
 def capture_with_iter_last_row(model, tracer):
     rows = list().save()
     with tracer.iter[:] as it:  # noqa: F841
@@ -333,6 +339,12 @@ def _whole(out, h, layer: int, rows) -> list:
     return [(out[0], h[f"mlp{layer}"][rows]), (out[0] + out[1], h[f"layer{layer}"][rows])]
 
 
+def _one_per_step(values: list) -> list:
+    """A pair that says an every-step read holds one value per step (a split prompt's
+    chunks are one step)."""
+    return [(torch.tensor(float(len(values))), torch.tensor(float(STEPS)))]
+
+
 def _at_prompt(prompt_len, fn):
     """An HF edit of the prompt's rows only (a block's edit outside a step loop)."""
     return lambda t, pos: torch.where((pos < prompt_len)[:, None], fn(t), t)
@@ -362,9 +374,11 @@ def _zoo():
                                  lambda s, h, p: zip(s["rows"], _per_step(h["mlp1"], p, ALL))),
         "capture_all_residual": (capture_all_residual, {},
                                  lambda s, h, p: zip(s["rows"], _per_step(h["layer2"], p, ALL))),
-        "capture_whole_output": (capture_whole_output, {}, lambda s, h, p: [
+        "capture_whole_output": (capture_whole_output, {}, lambda s, h, p: _one_per_step(s["outs"]) + [
             pair for out, rows in zip(s["outs"], _per_step(torch.arange(p + STEPS), p, ALL))
             for pair in _whole(out, h, 2, rows)]),
+        "capture_a_linears_bias": (capture_a_linears_bias, {}, lambda s, h, p: _one_per_step(s["biases"]) + [
+            (torch.tensor(float(all(b is None for b in s["biases"]))), torch.tensor(1.0))]),
         "capture_with_iter_last_row": (capture_with_iter_last_row, {},
                                        lambda s, h, p: zip(s["rows"], [r[-1] for r in _per_step(h["mlp3"], p, ALL)])),
         "capture_with_all": (capture_with_all, {}, lambda s, h, p: zip(s["stream"], _per_step(h["attn0"], p, ALL))),
@@ -512,6 +526,8 @@ def test_the_same_batch_twice_gives_the_same_saves_and_reports(zoo_runs):
         assert sorted(a) == sorted(b)
         for key in a:
             xs, ys = list(leaves(a[key])), list(leaves(b[key]))  # (a tuple read: each element)
+            assert [x is None for x in xs] == [y is None for y in ys], (name, key)
+            xs, ys = [x for x in xs if x is not None], [y for y in ys if y is not None]
             assert len(xs) == len(ys) and all(same(x, y) for x, y in zip(xs, ys)), (name, key)
 
 

@@ -293,13 +293,16 @@ def test_untraced_requests_beside_traced_ones_are_bit_identical(tp_llama):
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)
     traced = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True,
                             extra_args={"nnsight": make_payload(steer_qkv)})
+    as_code = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True,
+                             extra_args={"nnsight": make_payload(steer_qkv), "nnsight_lower": False})
     llm = tp_llama.vllm_entrypoint
     alone = llm.generate(prompts[:2], params, use_tqdm=False)
-    mixed = llm.generate(prompts, [params, params, traced, traced], use_tqdm=False)
+    mixed = llm.generate(prompts, [params, params, traced, as_code], use_tqdm=False)
     for a, b in zip(alone, mixed[:2]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
-    assert all(o.ran_as.startswith("code:") and o.outputs[0].stop_reason != "nnsight_error" for o in mixed[2:])
+    assert mixed[2].ran_as == "batched" and mixed[3].ran_as.startswith("code:"), [o.ran_as for o in mixed[2:]]
+    assert all(o.outputs[0].stop_reason != "nnsight_error" for o in mixed[2:])
     clean = llm.generate(prompts[2:], params, use_tqdm=False)
     assert any(a.outputs[0].logprobs != b.outputs[0].logprobs for a, b in zip(clean, mixed[2:]))
 

@@ -290,8 +290,8 @@ class BatchedEdits(LanePlans):
             self._read_tuple(op, value, spans, sessions, num_tokens, chunks if chunked else None)
             return
         picked = pick_index(value, op.get("index"))
-        if picked is None or isinstance(picked, torch.nn.Parameter):  # (a linear's bias: the same for all)
-            self._read_shared(op, picked, sessions)
+        if isinstance(picked, torch.nn.Parameter) or (picked is None and op.get("index") is not None):
+            self._read_shared(op, picked, sessions, chunks)  # (a linear's bias, or None: the same for all)
             return
         rows = _per_token_tensor(op, value, num_tokens)[:last]
         if chunked:
@@ -314,10 +314,13 @@ class BatchedEdits(LanePlans):
         In a step where prompts come in chunks, each request's value is a
         :class:`.rowlog.TupleLog` that gathers its prompt's chunks."""
         name, once, squeeze = op["name"], is_single(op), _one_row(op)
-        kind = type(value)
+        kind = list if isinstance(value, list) else tuple  # (a named tuple encodes as a tuple)
         split = [per_token(v, num_tokens) for v in value]
+        for v, s in zip(value, split):
+            if not s and v is not None and not isinstance(v, torch.nn.Parameter):
+                _per_token_tensor({}, v, num_tokens)  # (raises: neither per token nor a linear's bias)
         last = max(end for _, end in spans)
-        kept = [None if s else host_copy(v) if isinstance(v, torch.Tensor) else v for v, s in zip(value, split)]
+        kept = [None if s else host_copy(v) if v is not None else None for v, s in zip(value, split)]
         if chunks is None:
             parts = [host_copy(v[:last]) if s else k for v, s, k in zip(value, split, kept)]
             for (start, end), session in zip(spans, sessions):
@@ -343,11 +346,17 @@ class BatchedEdits(LanePlans):
                 session.keep(held)  # (shipped again as it grows)
 
     @staticmethod
-    def _read_shared(op: dict[str, Any], value: torch.Tensor | None, sessions: list[RequestSession]) -> None:
+    def _read_shared(op: dict[str, Any], value: torch.Tensor | None, sessions: list[RequestSession],
+                     chunks: dict[str, Chunk] | None) -> None:
         """A read of a value that is the same for every request (a linear's bias, None
-        where it has none): one copy."""
+        where it has none): one copy, once per step (a later chunk of a split prompt
+        continues its step: nothing more)."""
         copy = host_copy(value) if value is not None else None
         for session in sessions:
+            chunk = chunks.get(session.req_id) if chunks and session.step == 0 else None
+            held = session.namespace.get(op["name"])
+            if chunk is not None and chunk.start > 0 and (held is not None if is_single(op) else len(held) > 0):
+                continue  # (the prompt's step has its value from an earlier chunk)
             if is_single(op):
                 session.namespace[op["name"]] = session.keep(copy)
             else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -142,40 +142,61 @@ def check_writable(value: torch.Tensor, where: str) -> None:
                         "that vLLM indexes with); edits of it are refused")
 
 
-def _protected(t: torch.Tensor) -> bool:
+class Protected(NamedTuple):
+    """A copy a block got in place of a tensor it may not edit, and the copy's version
+    counter when given: an in-place edit moves the counter (no device sync to check)."""
+
+    copy: torch.Tensor
+    original: torch.Tensor
+    version: int
+    parameter: bool
+
+
+def _protected(t: torch.Tensor, parameters: frozenset[int]) -> bool:
     """A tensor a block gets a copy of: token ids, positions or indices (vLLM indexes
     with them), or one of the model's parameters (a linear's bias that vLLM returns
-    beside its output: every later request would read an edit of it)."""
-    return not t.is_floating_point() or isinstance(t, torch.nn.Parameter)
+    beside its output: every later request would read an edit of it), known by type or
+    by its storage (``parameters``: the model's; a compiled graph may pass a plain view)."""
+    return not t.is_floating_point() or is_parameter(t, parameters)
 
 
-def copy_protected(value: Any) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``value`` with its :func:`_protected` tensors replaced by copies, and the
-    ``(copy, original)`` pairs (none for the usual value: no copy made)."""
+def is_parameter(t: torch.Tensor, parameters: frozenset[int]) -> bool:
+    return isinstance(t, torch.nn.Parameter) or (t.dim() <= 1 and t.untyped_storage().data_ptr() in parameters)
+
+
+def _copy(t: torch.Tensor, parameters: frozenset[int]) -> Protected:
+    with torch.inference_mode(False):  # (a normal tensor keeps a version counter; an inference one does not)
+        copy = t.detach().clone()
+    return Protected(copy, t, copy._version, is_parameter(t, parameters))
+
+
+def copy_protected(value: Any, parameters: frozenset[int] = frozenset()) -> tuple[Any, list[Protected]]:
+    """``value`` with its :func:`_protected` tensors replaced by copies, and those copies
+    (none for the usual value: no copy made)."""
     if isinstance(value, torch.Tensor):
-        if not _protected(value):
+        if not _protected(value, parameters):
             return value, []
-        copy = value.detach().clone()
-        return copy, [(copy, value)]
-    if type(value) is tuple and all(not isinstance(v, torch.Tensor) or not _protected(v) for v in value):
+        found = _copy(value, parameters)
+        return found.copy, [found]
+    if type(value) is tuple and all(not isinstance(v, torch.Tensor) or not _protected(v, parameters)
+                                    for v in value):
         return value, []  # (a decoder layer's (hidden, residual): the common case, no walk)
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pairs: list[Protected] = []
 
     def swap(t: torch.Tensor) -> torch.Tensor:
-        if not _protected(t):
+        if not _protected(t, parameters):
             return t
-        copy = t.detach().clone()
-        pairs.append((copy, t))
-        return copy
+        pairs.append(_copy(t, parameters))
+        return pairs[-1].copy
 
     return map_tensors(value, swap), pairs
 
 
-def edited(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+def edited(pairs: list[Protected]) -> str | None:
     """What a block changed of the copies :func:`copy_protected` gave it (None: nothing)."""
-    for copy, original in pairs:
-        if not torch.equal(copy, original):
-            if isinstance(original, torch.nn.Parameter):
+    for found in pairs:
+        if found.copy._version != found.version:
+            if found.parameter:
                 return ("is one of the model's parameters (a linear's bias, returned beside its output), "
                         "which every request reads: edits of it are refused (the block changed its copy; "
                         "edit the output, element 0, instead)")

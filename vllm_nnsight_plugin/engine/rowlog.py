@@ -167,4 +167,4 @@ class TupleLog:
         return len(self.parts)
 
     def __nnsight_encode__(self, binary: bool) -> Any:
-        return tagged.encode(self.kind(self.parts), binary)
+        return tagged.encode(self.kind(self.parts), binary)  # (kind: tuple or list)

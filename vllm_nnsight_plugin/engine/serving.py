@@ -203,6 +203,15 @@ class ValueServing:
             self._served = None  # copy every saved tensor until no traced request is live (always correct)
 
 
+    def _parameter_storages(self) -> frozenset[int]:
+        """The model's parameters' storages, once (after its weights are loaded)."""
+        found = self.__dict__.get("_parameters_seen")
+        if found is None:
+            found = self.__dict__["_parameters_seen"] = frozenset(
+                p.untyped_storage().data_ptr() for p in self.model.parameters())
+        return found
+
+
     def owns(self, t: torch.Tensor) -> bool:
         """Whether a block made ``t`` itself (no storage vLLM served), so saving it
         needs no copy."""
@@ -298,7 +307,7 @@ class ValueServing:
             # index tensors (token ids, positions) and parameters (a bias) reach a block as
             # copies: an in-place edit of one would drive vLLM's kernels out of bounds or
             # change the model for everyone, so it fails the request instead
-            given, copies = (view, ()) if row_based else guards.copy_protected(view)
+            given, copies = (view, ()) if row_based else guards.copy_protected(view, self._parameter_storages())
 
             if wait.value is not _NOTHING:
                 try:

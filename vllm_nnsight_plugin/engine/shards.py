@@ -131,6 +131,8 @@ def gather(value: Any, split: Split, group: Collectives, inputs: bool = False) -
         # it are refused, so nothing is written back)
         bias = torch.nn.Parameter(_whole_sharded(value[1], sizes, group, split.replicas), requires_grad=False)
         served = (whole, bias, *value[2:])
+        STATS["tp_wholes"] += 1
+        STATS["tp_whole_bytes"] += bias.numel() * bias.element_size()
     STATS["tp_wholes"] += 1
     STATS["tp_whole_bytes"] += whole.numel() * whole.element_size()
 
