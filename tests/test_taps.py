@@ -17,7 +17,7 @@ from vllm import SamplingParams
 
 from vllm_nnsight_plugin import VLLM, InterventionError, make_payload, results
 
-TAPS = ["model.layers.*.output", "model.layers.1.mlp"]
+TAPS = ["model.layers.*.output", "model.layers.1.mlp", "model.layers.2.mlp.down_proj.output"]
 COMPILATION = json.loads(os.environ.get("NNSIGHT_TEST_TAPS_COMPILATION", '{"mode": 3, "backend": "eager"}'))
 PROMPT = "The Eiffel Tower is in"
 
@@ -214,6 +214,39 @@ def test_nnsight_style_blocks_run_in_the_lanes(tapped):
     assert len(stream) == len(code_stream) == 5
     for a, b in zip(stream, code_stream):
         assert_close(a, b, 1e-5)
+
+
+DOWN = torch.linspace(-0.5, 0.5, 128)
+
+
+def _steer_down_proj(model, tracer):
+    for _ in tracer.all():
+        model.model.layers[2].mlp.down_proj.output[0][:] += DOWN  # vLLM's linears return (output, bias)
+
+
+def test_a_linear_steered_at_its_tap_runs_in_the_lanes(tapped, hf_llama):
+    """nnsight's ``down_proj.output[0][:] += v`` at a tap on a linear (whose output is
+    ``(output, None)``) runs batched, in the lanes, and equals Hugging Face's edit of
+    that linear; the untraced request beside it is untouched."""
+    llm = tapped.vllm_entrypoint
+    steered = SamplingParams(temperature=0.0, max_tokens=2, logprobs=1, ignore_eos=True,
+                             extra_args={"nnsight": make_payload(_steer_down_proj)})
+    plain = SamplingParams(temperature=0.0, max_tokens=2, logprobs=1, ignore_eos=True)
+    before = _lane_stats(llm)
+    outs = llm.generate([PROMPT, PROMPT], [steered, plain], use_tqdm=False)
+    after = _lane_stats(llm)
+    assert outs[0].ran_as == "batched"
+    assert after["lane"] > before["lane"] and after["python"] == before["python"], (before, after)
+    for out, edit in ((outs[0], True), (outs[1], False)):
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        run = HFRun(hf_llama, ids[:-1])
+        if edit:
+            run.edit(hf_llama.model.layers[2].mlp.down_proj, lambda h: h + DOWN)
+        want = torch.log_softmax(run.logits(), -1)
+        n = len(out.prompt_token_ids)
+        for step, token in enumerate(out.outputs[0].token_ids):
+            assert token == int(want[n - 1 + step].argmax())
+            assert abs(out.outputs[0].logprobs[step][token].logprob - float(want[n - 1 + step, token])) < 1e-4
 
 
 def _lane_stats(llm) -> dict:
