@@ -23,7 +23,7 @@ import torch
 
 from ..payload.codec import PayloadError
 from ..payload.spec import WRITES, runs_batched
-from .tree import map_tensors
+from .tree import leaves, map_tensors
 
 # first-argument names vLLM's models give integer inputs (ids, positions, indices)
 INTEGER_NAMES = ("input_ids", "ids", "positions", "position_ids", "token_type_ids", "input_positions",
@@ -162,6 +162,12 @@ def _protected(t: torch.Tensor, parameters: frozenset[int]) -> bool:
 
 def is_parameter(t: torch.Tensor, parameters: frozenset[int]) -> bool:
     return isinstance(t, torch.nn.Parameter) or (t.dim() <= 1 and t.untyped_storage().data_ptr() in parameters)
+
+
+def holds_protected(value: Any, parameters: frozenset[int]) -> bool:
+    """Whether any tensor of ``value`` is :func:`_protected` (then each request's view
+    of it goes through :func:`copy_protected`)."""
+    return any(isinstance(t, torch.Tensor) and _protected(t, parameters) for t in leaves(value))
 
 
 def _copy(t: torch.Tensor, parameters: frozenset[int]) -> Protected:

@@ -280,6 +280,8 @@ class ValueServing:
         keep: list[RequestSession] = []
         self.waiters[key] = keep
         shared = not row_based and len(layout.spans) > 1 and not _per_token(value, layout.num_tokens)
+        parameters = self._parameter_storages()
+        protect = not row_based and guards.holds_protected(value, parameters)  # (once: each view is alike)
         for session in waiting:
             wait = session.wait
             if wait is None or wait.key != key:
@@ -307,7 +309,7 @@ class ValueServing:
             # index tensors (token ids, positions) and parameters (a bias) reach a block as
             # copies: an in-place edit of one would drive vLLM's kernels out of bounds or
             # change the model for everyone, so it fails the request instead
-            given, copies = (view, ()) if row_based else guards.copy_protected(view, self._parameter_storages())
+            given, copies = guards.copy_protected(view, parameters) if protect else (view, ())
 
             if wait.value is not _NOTHING:
                 try:
