@@ -498,5 +498,6 @@ def test_logits_and_samples_spelled_as_before_nnsight_0_7(llama, hf_llama):
     assert [int(t) for t in tokens] == list(out.outputs[0].token_ids)
     with llama.trace("The capital of Japan is", max_tokens=2, temperature=0.0) as tracer:
         logits = llama.logits.output
-        llama.logits.output = torch.full_like(logits, -1e9).index_fill_(-1, torch.tensor([7]), 0.0)
+        llama.logits.output = torch.full_like(logits, -1e9).index_fill_(-1, torch.tensor([7], device=logits.device),
+                                                                        0.0)
     assert tracer.outputs[0].outputs[0].token_ids[0] == 7

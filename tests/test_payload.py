@@ -336,3 +336,14 @@ def test_a_remote_error_is_a_runtime_error_and_its_builtin_type():
     for info in ({"type": "CustomError", "message": "m"}, {"type": "ExceptionGroup", "message": "m"}):
         unknown = make_error(info)
         assert type(unknown) is InterventionError and str(unknown) == f"{info['type']}: m"
+
+
+def test_logits_spelled_as_before_nnsight_0_7_is_no_module_access():
+    """A compiled engine without taps refuses blocks that touch module values, and
+    serves model.logits in every mode: model.logits.output (nnsight's spelling before
+    0.7) is model.logits."""
+    from vllm_nnsight_plugin.boundary.frontend import touches_modules
+
+    assert not touches_modules({"kind": "code", "source": "x = model.logits.output\nmodel.samples.output = y"})
+    assert touches_modules({"kind": "code", "source": "x = model.model.layers[0].output"})
+    assert touches_modules({"kind": "code", "source": "x = model.lm_head.logits.output"})

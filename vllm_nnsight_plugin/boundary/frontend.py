@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..engine import edits, guards
+from ..engine.block_source import step_value_spelled_as_module
 from ..payload import codec, request_args, spec
 from . import configuration, entrypoints, parallel, patching
 from .whole_prompts import SALT_PREFIX, SHARED_SPEC_SALT
@@ -34,7 +35,8 @@ def touches_modules(env: dict[str, Any]) -> bool:
     if env["kind"] == "spec":
         return any("module" in op or op["op"] == "cache" for op in env["ops"])
     tree = ast.parse(env["source"])
-    return any(isinstance(n, ast.Attribute) and n.attr in MODULE_ATTRS for n in ast.walk(tree))
+    return any(isinstance(n, ast.Attribute) and n.attr in MODULE_ATTRS and not step_value_spelled_as_module(n)
+               for n in ast.walk(tree))  # (model.logits.output is model.logits: served in every mode)
 
 
 class ModuleTable(NamedTuple):

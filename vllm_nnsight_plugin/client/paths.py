@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from ..engine.block_source import step_value_spelled_as_module
 from ..payload.tapset import TapSet
 
 TERMINALS = ("output", "input", "inputs")
@@ -40,8 +41,7 @@ def module_paths(statements: tuple[ast.stmt, ...], roots: set[str]) -> Iterator[
         for node in ast.walk(stmt):
             if isinstance(node, ast.Attribute) and node.attr in TERMINALS:
                 segments = _chain(node.value, roots)
-                if segments is not None and segments not in (["logits"], ["samples"]):  # (model.logits.output:
-                    # nnsight's spelling before 0.7 of model.logits, always served)
+                if segments is not None and not step_value_spelled_as_module(node):  # (model.logits: served)
                     yield ".".join(segments), node.lineno, node.attr
 
 

@@ -21,6 +21,13 @@ def saved_expr(node: ast.AST) -> ast.expr | None:
     return None
 
 
+def step_value_spelled_as_module(node: ast.AST) -> bool:
+    """``model.logits.output`` / ``model.samples.output``: nnsight's spelling before 0.7
+    (they were wrapper modules) of ``model.logits`` / ``model.samples``."""
+    return isinstance(node, ast.Attribute) and node.attr == "output" and isinstance(node.value, ast.Attribute) \
+        and node.value.attr in ("logits", "samples") and isinstance(node.value.value, ast.Name)
+
+
 def is_nnsight_module(node: ast.AST) -> bool:
     """The name ``nnsight`` (as in ``nnsight.save(x)``: nothing of it travels)."""
     return isinstance(node, ast.Name) and node.id == "nnsight"
@@ -46,10 +53,8 @@ class _BlockRewriter(ast.NodeTransformer):
 
     def visit_Attribute(self, node: ast.Attribute) -> Any:
         self.generic_visit(node)
-        inner = node.value
-        if node.attr == "output" and isinstance(inner, ast.Attribute) and inner.attr in ("logits", "samples") \
-                and isinstance(inner.value, ast.Name):
-            # nnsight before 0.7 wrapped them in modules: model.logits.output is model.logits
+        if step_value_spelled_as_module(node):
+            inner = node.value
             return ast.copy_location(ast.Attribute(inner.value, inner.attr, node.ctx), node)
         return node
 

@@ -199,7 +199,9 @@ def copy_protected(value: Any, parameters: frozenset[int] = frozenset()) -> tupl
 
 
 def edited(pairs: list[Protected]) -> str | None:
-    """What a block changed of the copies :func:`copy_protected` gave it (None: nothing)."""
+    """What a block changed of the copies :func:`copy_protected` gave it (None: nothing).
+    Any in-place op counts, also one that leaves the values as they were (``x[:] = x``);
+    a write around torch's counter (``.data``, numpy) changes only the copy."""
     for found in pairs:
         if found.copy._version != found.version:
             if found.parameter:

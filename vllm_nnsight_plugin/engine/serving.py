@@ -208,7 +208,7 @@ class ValueServing:
         found = self.__dict__.get("_parameters_seen")
         if found is None:
             found = self.__dict__["_parameters_seen"] = frozenset(
-                p.untyped_storage().data_ptr() for p in self.model.parameters())
+                p.untyped_storage().data_ptr() for p in self.model.parameters()) - {0}  # (0: an empty one)
         return found
 
 
