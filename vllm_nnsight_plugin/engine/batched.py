@@ -293,7 +293,7 @@ class BatchedEdits(LanePlans):
         if isinstance(picked, torch.nn.Parameter) or (picked is None and op.get("index") is not None):
             self._read_shared(op, picked, sessions, chunks)  # (a linear's bias, or None: the same for all)
             return
-        rows = _per_token_tensor(op, value, num_tokens)[:last]
+        rows = _per_token_tensor({}, picked, num_tokens)[:last]  # (the op's index: picked above)
         if chunked:
             self._read_chunks(op, rows, spans, sessions, chunks)
             return

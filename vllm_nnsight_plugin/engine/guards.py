@@ -147,9 +147,7 @@ class Protected(NamedTuple):
     counter when given: an in-place edit moves the counter (no device sync to check)."""
 
     copy: torch.Tensor
-    original: torch.Tensor
     version: int
-    parameter: bool
 
 
 def _protected(t: torch.Tensor, parameters: frozenset[int]) -> bool:
@@ -170,41 +168,28 @@ def holds_protected(value: Any, parameters: frozenset[int]) -> bool:
     return any(isinstance(t, torch.Tensor) and _protected(t, parameters) for t in leaves(value))
 
 
-def _copy(t: torch.Tensor, parameters: frozenset[int]) -> Protected:
-    with torch.inference_mode(False):  # (a normal tensor keeps a version counter; an inference one does not)
-        copy = t.detach().clone()
-    return Protected(copy, t, copy._version, is_parameter(t, parameters))
-
-
-def copy_protected(value: Any, parameters: frozenset[int] = frozenset()) -> tuple[Any, list[Protected]]:
-    """``value`` with its :func:`_protected` tensors replaced by copies, and those copies
-    (none for the usual value: no copy made)."""
-    if isinstance(value, torch.Tensor):
-        if not _protected(value, parameters):
-            return value, []
-        found = _copy(value, parameters)
-        return found.copy, [found]
-    if type(value) is tuple and all(not isinstance(v, torch.Tensor) or not _protected(v, parameters)
-                                    for v in value):
-        return value, []  # (a decoder layer's (hidden, residual): the common case, no walk)
-    pairs: list[Protected] = []
+def copy_protected(value: Any, parameters: frozenset[int]) -> tuple[Any, list[Protected]]:
+    """``value`` with its :func:`_protected` tensors replaced by copies, and those copies."""
+    copies: list[Protected] = []
 
     def swap(t: torch.Tensor) -> torch.Tensor:
         if not _protected(t, parameters):
             return t
-        pairs.append(_copy(t, parameters))
-        return pairs[-1].copy
+        with torch.inference_mode(False):  # (a normal tensor keeps a version counter; an inference one does not)
+            copy = t.detach().clone()
+        copies.append(Protected(copy, copy._version))
+        return copy
 
-    return map_tensors(value, swap), pairs
+    return map_tensors(value, swap), copies
 
 
-def edited(pairs: list[Protected]) -> str | None:
+def edited(copies: list[Protected]) -> str | None:
     """What a block changed of the copies :func:`copy_protected` gave it (None: nothing).
     Any in-place op counts, also one that leaves the values as they were (``x[:] = x``);
     a write around torch's counter (``.data``, numpy) changes only the copy."""
-    for found in pairs:
+    for found in copies:
         if found.copy._version != found.version:
-            if found.parameter:
+            if found.copy.is_floating_point():  # (a protected float tensor is a parameter)
                 return ("is one of the model's parameters (a linear's bias, returned beside its output), "
                         "which every request reads: edits of it are refused (the block changed its copy; "
                         "edit the output, element 0, instead)")

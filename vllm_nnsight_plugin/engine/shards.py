@@ -105,8 +105,8 @@ def _write_sharded(x: torch.Tensor, whole: torch.Tensor, sizes: tuple[int, ...],
 def gather(value: Any, split: Split, group: Collectives, inputs: bool = False) -> tuple[Any, Callable[[], None]]:
     """The whole value (a tensor, or a tuple whose first element is the split one, as
     a linear's ``(output, bias)``, whose bias slice is put together too; ``inputs``: a
-    module's ``(args, kwargs)``, whose first argument is) and a function that writes this rank's part of it back into
-    ``value`` if a block or op changed it."""
+    module's ``(args, kwargs)``, whose first argument is) and a function that writes
+    this rank's part of it back into ``value`` if a block or op changed it."""
     if inputs:
         args, kwargs = value
         if not args or not isinstance(args[0], torch.Tensor):
