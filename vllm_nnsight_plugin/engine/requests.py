@@ -8,8 +8,10 @@ here. A steady batch of them advances without a walk (:class:`QuietBatch`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .session import StepClock
 
 if TYPE_CHECKING:
     from .session import RequestSession
@@ -73,19 +75,24 @@ class QuietBatch:
     count. The next steps with the same requests (``spans``), no admission or finish
     (``epoch``), no spec over or failed (``batched.stale``), and ``room`` steps before
     the first of them reaches its last step (None: none has one) advance those
-    sessions without walking the batch."""
+    sessions without walking the batch: they share one :class:`.session.StepClock`,
+    so a step is one add, whatever the batch."""
 
     epoch: int
     spans: dict
     sessions: list[RequestSession]
     room: int | None
+    clock: StepClock = field(default_factory=lambda: StepClock())
+
+    def __post_init__(self) -> None:
+        for session in self.sessions:
+            session.join_clock(self.clock)
 
     def holds(self, epoch: int, spans: dict, stale: bool) -> bool:
         return epoch == self.epoch and not stale and (self.room is None or self.room > 0) \
             and (spans is self.spans or spans == self.spans)
 
     def advance(self) -> None:
-        for session in self.sessions:
-            session.step += 1
+        self.clock.ticks += 1
         if self.room is not None:
             self.room -= 1

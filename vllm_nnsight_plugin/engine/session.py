@@ -62,6 +62,15 @@ class Wait:
         return f"{where} at step {self.step}"
 
 
+class StepClock:
+    """Steps that a steady batch's sessions have advanced together."""
+
+    __slots__ = ("ticks",)
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+
 @dataclass
 class Serving:
     """The location a block is being served right now (reads repeat, sets apply)."""
@@ -89,7 +98,8 @@ class RequestSession:
     filename: str = "<intervention>"
     lineno: int = 1
     namespace: dict[str, Any] = field(default_factory=dict)
-    step: int = 0  # engine steps this request has completed
+    _base_step: int = 0  # engine steps completed, less the ticks of _clock (see step)
+    _clock: StepClock | None = None  # a steady batch's shared count (requests.QuietBatch)
     target_step: int = 0  # the step the block's accesses refer to (tracer.iter)
     iter_bounds: list[int | None] = field(default_factory=list)  # stop of each open iter
     wait: Wait | None = None
@@ -122,6 +132,22 @@ class RequestSession:
     caches: int = 0  # tracer.cache()s the block made: it stays (parked) until its request ends
 
     # ------------------------------------------------------------ lifecycle
+    @property
+    def step(self) -> int:
+        """Engine steps this request has completed. A steady batch advances all its
+        requests with one add to their shared clock, not one per request."""
+        clock = self._clock
+        return self._base_step if clock is None else self._base_step + clock.ticks
+
+    @step.setter
+    def step(self, value: int) -> None:
+        clock = self._clock
+        self._base_step = value if clock is None else value - clock.ticks
+
+    def join_clock(self, clock: StepClock | None) -> None:
+        """Count later steps on ``clock`` (None: on this session alone)."""
+        self._base_step, self._clock = self.step - (clock.ticks if clock is not None else 0), clock
+
     @property
     def active(self) -> bool:
         return not self.done and self.error is None
