@@ -171,6 +171,24 @@ def test_reads_are_saved_values_and_saved_lists():
                 "stream = rows.save()") == [{**every, "name": "stream", "steps": "all"}]
 
 
+def test_a_saved_list_of_several_locations_at_the_prompt_is_one_read_per_item():
+    """The logit lens's list: each item a prompt read under a derived name (never
+    shipped itself), gathered into the saved list by the engine (``Lowered.lists``)."""
+    found = _plan("hs = [layer.output[0] for layer in model.layers]\nhs.append(model.logits)\nhs = hs.save()")
+    assert isinstance(found, Lowered), found
+    names = tuple(f"__list__hs.{i}" for i in range(4))
+    assert found.lists == (("hs", names),)
+    assert found.spec["ops"] == [
+        *({"op": "read", "name": names[i], "module": f"layers.{i}", "index": 0, "structure": 2, "steps": "prefill"}
+          for i in range(3)),
+        {"op": "logits", "name": names[3], "steps": "prefill"}]
+    assert runs_batched(found.spec)
+    # after the prompt a plan holds one location per saved list
+    later = _plan("for _ in tracer.iter[1:2]:\n    hs = [model.layers[0].output[0], model.layers[1].output[0]]\n"
+                  "    hs = hs.save()")
+    assert isinstance(later, Fallback) and "different modules" in later.why, later
+
+
 def test_logits_reads_are_a_plan_of_their_own():
     assert _ops("l = model.logits.save()") == [{"op": "logits", "name": "l", "steps": "prefill"}]
     assert _ops("ls = list().save()\nfor _ in tracer.iter[:4]:\n    ls.append(model.logits)") == [

@@ -267,6 +267,16 @@ def lens_over_layers(model, tracer):
     hs = hs.save()
 
 
+def last_rows_of_every_layer(model, tracer):
+    lasts = [layer.output[0][-1] for layer in model.model.layers]
+    lasts = lasts.save()
+
+
+def a_layer_and_the_logits(model, tracer):
+    both = [model.model.layers[1].output[0], model.logits]
+    both = both.save()
+
+
 def argmax_of_logits(model, tracer):
     top = model.logits.argmax(-1).save()  # noqa: F841
 
@@ -363,6 +373,12 @@ def _zoo():
         "read_whole_output": (read_whole_output, {}, lambda s, h, p: _whole(s["out"], h, 1, range(p))),
         "read_a_linear": (read_a_linear, {}, lambda s, h, p: [(s["o"], h["attn1"][:p])]),
         "read_through_a_helper": (read_through_a_helper, {}, lambda s, h, p: [(s["r"], h["layer3"][:p])]),
+        "lens_over_layers": (lens_over_layers, {}, lambda s, h, p: zip(s["hs"], [h[f"mlp{i}"][:p] for i in range(4)])),
+        "last_rows_of_every_layer": (last_rows_of_every_layer, {},
+                                     lambda s, h, p: zip(s["lasts"], [h[f"mlp{i}"][p - 1] for i in range(4)])),
+        "a_layer_and_the_logits": (a_layer_and_the_logits, {},
+                                   lambda s, h, p: [(s["both"][0], h["mlp1"][:p]),
+                                                    (s["both"][1][0], h["logits"][p - 1])]),
         "read_unpacked": (read_unpacked, {}, lambda s, h, p: [(s["h"], h["mlp0"][:p])]),
         "read_negative_index_clone": (read_negative_index_clone, {}, lambda s, h, p: [(s["x"], h["mlp3"][:p])]),
         "read_picked_rows": (read_picked_rows, {}, lambda s, h, p: [(s["rows"], h["mlp0"][:2])]),
@@ -423,8 +439,6 @@ CODE = {  # name -> (block, line (relative to the def), why, HF edits, expectati
     "halve_if_positive": (halve_if_positive, 2, "uses .norm of a module's value",
                           {"mlp1": lambda p: _at_prompt(p, lambda t: t * 0.5)},
                           lambda s, h, p: [(s["s"], h["layer3"][:p])]),
-    "lens_over_layers": (lens_over_layers, 3, "saves a list (hs) of values of different modules or rows", {},
-                         lambda s, h, p: zip(s["hs"], [h[f"mlp{i}"][:p] for i in range(4)])),
     "argmax_of_logits": (argmax_of_logits, 1, "uses .argmax of a module's value", {},
                          lambda s, h, p: [(s["top"].float(), h["logits"][p - 1].argmax(-1, keepdim=True).float())]),
     "relu_in_place": (relu_in_place, 2, "passes a module's value to torch (relu)",

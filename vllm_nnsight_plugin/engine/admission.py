@@ -90,6 +90,8 @@ class Admission:
                 if kept_code is None and batchable else None
             if isinstance(planned, lower.Lowered):
                 self._admit_spec(session, planned.spec, index, max_tokens)
+                for name, items in planned.lists:  # (after the reads: they fill the namespace)
+                    session.namespace[name] = session.keep(cache.ReadList(session.namespace, items))
                 session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
                 session.lowered = planned
                 lower.STATS["lowered"] += 1

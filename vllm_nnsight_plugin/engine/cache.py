@@ -112,6 +112,36 @@ class ModuleCache:
         return f"ModuleCache({self._expansion.name!r}, {len(self._expansion.parts)} locations)"
 
 
+class ReadList:
+    """A saved list of values read at the prompt from several locations (a block's
+    ``[layer.output[0] for layer in layers]``): one batched prefill read per item under
+    a derived name, gathered into one list when results ship. An item not read (its
+    request failed first) is None."""
+
+    __slots__ = ("_namespace", "_names")
+
+    def __init__(self, namespace: dict[str, Any], names: tuple[str, ...]):
+        self._namespace = namespace
+        self._names = names
+
+    def keep_values(self) -> None:
+        """Hold the reads' values itself (the session's namespace is being cleared)."""
+        self._namespace = {n: self._namespace[n] for n in self._names if n in self._namespace}
+
+    def values(self) -> list[Any]:
+        """The items read so far (what the saved-value limits measure)."""
+        return [self._namespace[n] for n in self._names if n in self._namespace]
+
+    def __nnsight_encode__(self, binary: bool) -> Any:
+        return tagged.encode([self._namespace.get(n) for n in self._names], binary)
+
+    def __repr__(self) -> str:
+        return f"ReadList({len(self._names)} items)"
+
+
+GATHERED = (ModuleCache, ReadList)  # saved values that gather their reads' values when they ship
+
+
 def default_paths(model: torch.nn.Module, shared: frozenset[int], outside_forward: frozenset[str],
                   served: Callable[[str, str], bool], ios: Iterable[str]) -> list[str]:
     """Every module a cache of all modules reads: named submodules in registration

@@ -38,12 +38,19 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 STATS = {"lowered": 0}  # blocks run as batched specs since start (the lane-stats RPC)
 
 
+LIST_PREFIX = "__list__"  # derived names of a saved list's items (a snapshot ships no name starting with "__")
+MAX_LIST_ITEMS = 1024
+
+
 @dataclass(frozen=True)
 class Lowered:
-    """A block as a spec: its ops and each op's source line."""
+    """A block as a spec: its ops and each op's source line, and the saved lists of
+    values read at the prompt from several locations (``lists``: each name with its
+    items' derived names; :class:`.cache.ReadList` gathers them)."""
 
     spec: dict[str, Any]
     lines: tuple[int, ...]
+    lists: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def relabel(self, message: str) -> tuple[str, int | None]:
         """A batched op's error (``ops[N] (add ...): why``) as the block's: the message
@@ -123,6 +130,7 @@ def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: d
 def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
     ops: list[tuple[int, dict[str, Any], int]] = []  # (access order, op, line)
     caches: list[tuple[int, dict[str, Any], int]] = []
+    lists: list[tuple[str, tuple[str, ...]]] = []
     seen: set[int] = set()
     for name, value in namespace.items():
         if name.startswith("__") or id(value) not in rec.saved or rec.saved[id(value)] is not value:
@@ -134,6 +142,12 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
             raise Unrecordable(f"saves under the name {name[:80]!r}, longer than a plan carries", None)
         if isinstance(value, record.RecCache):  # (after every other op: it reads what they made)
             caches.append((1 << 62, {**value.op, "name": name}, value.line))
+            continue
+        if _read_list(value):
+            items = [(f"{LIST_PREFIX}{name}.{i}", item) for i, item in enumerate(value)]
+            ops.extend((item._loc.seq, {**_read_op(hidden, item._where()), "steps": "prefill"}, item._loc.line)
+                       for hidden, item in items)
+            lists.append((name, tuple(hidden for hidden, _ in items)))
             continue
         ops.append(_read(name, value))
     edited = {e.location for e in rec.edits}
@@ -149,7 +163,16 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
                                "a value put into a dict, a list or an attribute does not)", line)
         raise Unrecordable("it reads and edits nothing", None)
     ops.sort(key=lambda item: item[0])
-    return Lowered(codec.spec_envelope([op for _, op, _ in ops]), tuple(line for _, _, line in ops))
+    return Lowered(codec.spec_envelope([op for _, op, _ in ops]), tuple(line for _, _, line in ops), tuple(lists))
+
+
+def _read_list(value: Any) -> bool:
+    """A saved list of values read at the prompt from more than one location (or rows):
+    one read per item, gathered into the list (a list of one location's values at
+    successive steps is one per-step read: :func:`_read`)."""
+    return isinstance(value, list) and 1 < len(value) <= MAX_LIST_ITEMS \
+        and all(isinstance(v, (RecTensor, RecTuple)) and v._loc.step == 0 for v in value) \
+        and any(v._where() != value[0]._where() for v in value)
 
 
 def _read(name: str, value: Any) -> tuple[int, dict[str, Any], int]:
