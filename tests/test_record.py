@@ -187,6 +187,19 @@ def test_a_saved_list_of_several_locations_at_the_prompt_is_one_read_per_item():
     later = _plan("for _ in tracer.iter[1:2]:\n    hs = [model.layers[0].output[0], model.layers[1].output[0]]\n"
                   "    hs = hs.save()")
     assert isinstance(later, Fallback) and "different modules" in later.why, later
+    # an item edited after it was copied is not what its read gives: code
+    edited = _plan("c = model.layers[0].output[0].clone()\nc += v\nhs = [c, model.layers[1].output[0]]\n"
+                   "hs = hs.save()", v=VEC)
+    assert isinstance(edited, Fallback) and "that the block edited" in edited.why, edited
+    steps = _plan("ls = []\nfor _ in tracer.iter[:2]:\n    c = model.layers[0].output[0].clone()\n    c *= 2\n"
+                  "    ls.append(c)\nls = ls.save()")
+    assert isinstance(steps, Fallback) and "that the block edited" in steps.why, steps
+    # a trace-level list the invokes write into merges per slot (client/shared.py): code
+    from vllm_nnsight_plugin.payload.codec import SharedList
+
+    shared = SharedList()
+    slots = _plan("res.append(model.layers[0].output[0])\nres.append(model.layers[1].output[0])", res=shared)
+    assert isinstance(slots, Fallback), slots
 
 
 def test_logits_reads_are_a_plan_of_their_own():

@@ -364,6 +364,12 @@ def _at_prompt(prompt_len, fn):
 ALL = range(STEPS)
 
 
+def _items(got: list, want: list) -> list:
+    """A saved list's items beside the expected ones: as many, in order."""
+    assert isinstance(got, list) and len(got) == len(want), (type(got), len(got), len(want))
+    return list(zip(got, want))
+
+
 def _zoo():
     return {
         "read_hidden": (read_hidden, {}, lambda s, h, p: [(s["x"], h["mlp1"][:p])]),
@@ -373,12 +379,12 @@ def _zoo():
         "read_whole_output": (read_whole_output, {}, lambda s, h, p: _whole(s["out"], h, 1, range(p))),
         "read_a_linear": (read_a_linear, {}, lambda s, h, p: [(s["o"], h["attn1"][:p])]),
         "read_through_a_helper": (read_through_a_helper, {}, lambda s, h, p: [(s["r"], h["layer3"][:p])]),
-        "lens_over_layers": (lens_over_layers, {}, lambda s, h, p: zip(s["hs"], [h[f"mlp{i}"][:p] for i in range(4)])),
+        "lens_over_layers": (lens_over_layers, {},
+                             lambda s, h, p: _items(s["hs"], [h[f"mlp{i}"][:p] for i in range(4)])),
         "last_rows_of_every_layer": (last_rows_of_every_layer, {},
-                                     lambda s, h, p: zip(s["lasts"], [h[f"mlp{i}"][p - 1] for i in range(4)])),
+                                     lambda s, h, p: _items(s["lasts"], [h[f"mlp{i}"][p - 1] for i in range(4)])),
         "a_layer_and_the_logits": (a_layer_and_the_logits, {},
-                                   lambda s, h, p: [(s["both"][0], h["mlp1"][:p]),
-                                                    (s["both"][1][0], h["logits"][p - 1])]),
+                                   lambda s, h, p: _items(s["both"], [h["mlp1"][:p], h["logits"][p - 1:p]])),
         "read_unpacked": (read_unpacked, {}, lambda s, h, p: [(s["h"], h["mlp0"][:p])]),
         "read_negative_index_clone": (read_negative_index_clone, {}, lambda s, h, p: [(s["x"], h["mlp3"][:p])]),
         "read_picked_rows": (read_picked_rows, {}, lambda s, h, p: [(s["rows"], h["mlp0"][:2])]),

@@ -39,7 +39,7 @@ STATS = {"lowered": 0}  # blocks run as batched specs since start (the lane-stat
 
 
 LIST_PREFIX = "__list__"  # derived names of a saved list's items (a snapshot ships no name starting with "__")
-MAX_LIST_ITEMS = 1024
+MAX_LIST_ITEMS = 256  # (a JSON spec carries at most as many ops: payload.spec.MAX_OPS)
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,9 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
         if isinstance(value, record.RecCache):  # (after every other op: it reads what they made)
             caches.append((1 << 62, {**value.op, "name": name}, value.line))
             continue
+        if isinstance(value, list) and any(getattr(v, "_pending", None) for v in value):
+            raise Unrecordable(f"saves a list ({name}) holding a copy of a module's value that the block edited",
+                               None)
         if _read_list(value):
             items = [(f"{LIST_PREFIX}{name}.{i}", item) for i, item in enumerate(value)]
             ops.extend((item._loc.seq, {**_read_op(hidden, item._where()), "steps": "prefill"}, item._loc.line)
@@ -169,8 +172,9 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
 def _read_list(value: Any) -> bool:
     """A saved list of values read at the prompt from more than one location (or rows):
     one read per item, gathered into the list (a list of one location's values at
-    successive steps is one per-step read: :func:`_read`)."""
-    return isinstance(value, list) and 1 < len(value) <= MAX_LIST_ITEMS \
+    successive steps is one per-step read: :func:`_read`). A trace-level list that
+    invokes write into (``codec.SharedList``) is not one: its slots merge per invoke."""
+    return type(value) is list and 1 < len(value) <= MAX_LIST_ITEMS \
         and all(isinstance(v, (RecTensor, RecTuple)) and v._loc.step == 0 for v in value) \
         and any(v._where() != value[0]._where() for v in value)
 
