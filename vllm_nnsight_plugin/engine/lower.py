@@ -143,7 +143,7 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
         if isinstance(value, record.RecCache):  # (after every other op: it reads what they made)
             caches.append((1 << 62, {**value.op, "name": name}, value.line))
             continue
-        if isinstance(value, list) and any(getattr(v, "_pending", None) for v in value):
+        if isinstance(value, list) and any(isinstance(v, RecTensor) and v._pending for v in value):
             raise Unrecordable(f"saves a list ({name}) holding a copy of a module's value that the block edited",
                                None)
         if _read_list(value):
