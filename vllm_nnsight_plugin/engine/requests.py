@@ -82,7 +82,7 @@ class QuietBatch:
     spans: dict
     sessions: list[RequestSession]
     room: int | None
-    clock: StepClock = field(default_factory=lambda: StepClock())
+    clock: StepClock = field(default_factory=StepClock)
 
     def __post_init__(self) -> None:
         for session in self.sessions:
