@@ -710,3 +710,25 @@ def test_a_per_request_spec_reads_at_its_listed_steps_and_ends_after_the_last(co
     assert not results[0]["done"] and results[1]["done"] and results[1]["error"] is None
     h = values.decode(results[1]["saves"]["h"])
     assert len(h) == 2 and all(torch.allclose(a, b) for a, b in zip(h, seen))
+
+
+def test_two_blocks_alike_are_two_sessions():
+    """A request's installed edit and its own block may be the same code: each is its own
+    session (a waiter list removes the one that was served, never compares namespaces),
+    and a steady batch's shared step count moves only the sessions that joined it."""
+    from vllm_nnsight_plugin.engine.requests import QuietBatch
+    from vllm_nnsight_plugin.engine.session import RequestSession
+
+    first, second = RequestSession("r", None), RequestSession("r", None)
+    first.namespace["h"] = second.namespace["h"] = torch.ones(3)
+    assert first != second
+    waiting = [first, second]
+    waiting.remove(second)
+    assert waiting == [first] and waiting[0] is first
+    quiet = QuietBatch(0, {}, [first], None)
+    quiet.advance()
+    quiet.advance()
+    second.step += 1
+    assert (first.step, second.step) == (2, 1)
+    QuietBatch(1, {}, [first, second], None).advance()  # (a later batch: the old clock no longer ticks)
+    assert (first.step, second.step) == (3, 2)

@@ -88,7 +88,7 @@ def engine_error(message: str, lineno: int | None = None, line: str = "",
             "filename": filename, "traceback": ""}
 
 
-@dataclass
+@dataclass(eq=False)  # (one session is one block: compared by identity, as lists remove it)
 class RequestSession:
     """Worker-side state of one traced request."""
 
