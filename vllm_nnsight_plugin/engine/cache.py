@@ -78,20 +78,39 @@ def expand(op: dict[str, Any], paths: list[str], structure_of: Callable[[str], i
     return Expansion(op["name"], tuple(reads), tuple(parts), op.get("dtype"))
 
 
-class ModuleCache:
-    """The value bound to a cache's name in a block: the session's reads of each
-    cached location, encoded as one ``$cache`` value when results ship."""
+class Gathered:
+    """A saved value made of batched reads under derived names in the session's
+    namespace, put together when results ship (:class:`ModuleCache`, :class:`ReadList`)."""
 
-    __slots__ = ("_namespace", "_expansion")
+    __slots__ = ("_namespace",)
 
-    def __init__(self, namespace: dict[str, Any], expansion: Expansion):
+    def __init__(self, namespace: dict[str, Any]):
         self._namespace = namespace
-        self._expansion = expansion
+
+    def _read_names(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def values(self) -> list[Any]:
+        """The reads' values (what the saved-value limits measure)."""
+        raise NotImplementedError
 
     def keep_values(self) -> None:
         """Hold the reads' values itself (the session's namespace is being cleared)."""
-        self._namespace = {n: self._namespace[n] for part in self._expansion.parts for n in part.names
-                           if n in self._namespace}
+        self._namespace = {n: self._namespace[n] for n in self._read_names() if n in self._namespace}
+
+
+class ModuleCache(Gathered):
+    """The value bound to a cache's name in a block: the session's reads of each
+    cached location, encoded as one ``$cache`` value when results ship."""
+
+    __slots__ = ("_expansion",)
+
+    def __init__(self, namespace: dict[str, Any], expansion: Expansion):
+        super().__init__(namespace)
+        self._expansion = expansion
+
+    def _read_names(self) -> Iterable[str]:
+        return (n for part in self._expansion.parts for n in part.names)
 
     def _parts(self) -> Iterable[tuple[Part, list[Any]]]:
         for part in self._expansion.parts:
@@ -112,21 +131,20 @@ class ModuleCache:
         return f"ModuleCache({self._expansion.name!r}, {len(self._expansion.parts)} locations)"
 
 
-class ReadList:
+class ReadList(Gathered):
     """A saved list of values read at the prompt from several locations (a block's
     ``[layer.output[0] for layer in layers]``): one batched prefill read per item under
     a derived name, gathered into one list when results ship. An item not read (its
     request failed first) is None."""
 
-    __slots__ = ("_namespace", "_names")
+    __slots__ = ("_names",)
 
     def __init__(self, namespace: dict[str, Any], names: tuple[str, ...]):
-        self._namespace = namespace
+        super().__init__(namespace)
         self._names = names
 
-    def keep_values(self) -> None:
-        """Hold the reads' values itself (the session's namespace is being cleared)."""
-        self._namespace = {n: self._namespace[n] for n in self._names if n in self._namespace}
+    def _read_names(self) -> Iterable[str]:
+        return self._names
 
     def values(self) -> list[Any]:
         """The items read so far (what the saved-value limits measure)."""
@@ -137,9 +155,6 @@ class ReadList:
 
     def __repr__(self) -> str:
         return f"ReadList({len(self._names)} items)"
-
-
-GATHERED = (ModuleCache, ReadList)  # saved values that gather their reads' values when they ship
 
 
 def default_paths(model: torch.nn.Module, shared: frozenset[int], outside_forward: frozenset[str],

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .cache import GATHERED
+from .cache import Gathered
 from .rowlog import RowLog, TupleLog
 from .tree import leaves
 
@@ -19,7 +19,7 @@ def measure(value: Any) -> tuple[int, int]:
             count, size = count + 1, size + item.numel() * item.element_size()
         elif isinstance(item, (RowLog, TupleLog)):  # a batched read's rows
             count, size = count + item.count(), size + item.nbytes()
-        elif isinstance(item, GATHERED):
+        elif isinstance(item, Gathered):
             found = measure(item.values())
             count, size = count + found[0], size + found[1]
         else:

@@ -20,7 +20,7 @@ import torch
 from . import host
 from .block_source import compile_block
 from .budget import BlockTimeout
-from .cache import GATHERED
+from .cache import Gathered
 from .rowlog import RowLog, TupleLog
 from .saved import copy_value, saved_containers
 from .tree import leaves, map_tensors
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .interleave import Interleaver
 
 _NOTHING = object()
-GROWS = (list, dict, RowLog, TupleLog, *GATHERED)  # saved values that change in place (shipped again at the end)
+GROWS = (list, dict, RowLog, TupleLog, Gathered)  # saved values that change in place (shipped again at the end)
 END = object()  # given to a block parked between steps when its request has finished
 
 
@@ -210,7 +210,7 @@ class RequestSession:
         without this only a garbage collection would free the tensors in it."""
         self.close()
         for value in self._saved.values():
-            if isinstance(value, GATHERED):
+            if isinstance(value, Gathered):
                 value.keep_values()  # (it ships later, from the values of its reads)
         self.namespace.clear()
         self._saved.clear()
