@@ -5,6 +5,7 @@ give exactly what the same edit written as a block gives, request by request."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -364,13 +365,15 @@ def test_batched_and_recorded_steering_equal_hf(llama, hf_llama):
     assert (steered - HFRun(hf_llama, ids).logits()[-1]).abs().max() > 1e-2
 
 
-def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
-    """On a GPU the non-finite check's flags land after the step, so a request's last
-    step is read where vLLM takes the step's output (``runners.attach_late_results``).
-    Simulated by flags that have not landed when the step ends: the error reaches the
-    output vLLM takes, over the worker's own entry for that request (which says
-    ``"error": None``). The wiring under test: the logits guard, the step's close, the
-    merge into vLLM's async output."""
+def test_a_non_finite_error_read_late_rides_the_output_of_its_step():
+    """On a GPU the non-finite check's flags land after the step, so each step's check
+    is read where vLLM takes that step's output (``runners.attach_late_results``).
+    Simulated by flags that have not landed when the step ends: a request's error
+    reaches the output of the very step that found it, whether that step is its last
+    (over the worker's own entry for it, which says ``"error": None``) or not (a
+    request a stop token would end next must not lose it); the others' stay clean.
+    The wiring under test: the logits guard, the step's close, the merge into vLLM's
+    async output."""
     from conftest import pending_output
     from vllm import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
@@ -381,9 +384,6 @@ def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
     from vllm_nnsight_plugin.engine.interleave import StepLayout
 
     class NotLanded:  # (a CUDA event whose copy is still in flight; synchronize: it lands)
-        def query(self):
-            return False
-
         def synchronize(self):
             pass
 
@@ -391,31 +391,38 @@ def test_a_last_steps_non_finite_error_read_late_rides_that_steps_output():
     finite = inter.finite
 
     def check_on_a_device(logits, index, req_ids):  # FiniteLogits.check's GPU branch, maxima not landed
-        found = finite.collect(wait=False)
         part = logits if index is None else logits.index_select(0, index)
         maxima = part.amax(dim=-1).numpy().copy()
         torch.nan_to_num(logits, neginf=float("-inf"), out=logits)
         finite._pending.append((req_ids, finite_logits._Buffer(torch.from_numpy(maxima), maxima, NotLanded())))
-        return found
+        return []
 
     finite.check = check_on_a_device
-    blow_up = {"op": "scale", "module": "layers.1", "factor": 3e38, "steps": [1]}
-    inter.admit("a", {"nnsight": _toy_spec(blow_up)}, SamplingParams(max_tokens=2))
-    inter.admit("b", {"nnsight": _toy_spec({**blow_up, "factor": 1.0})}, SamplingParams(max_tokens=2))
-    spans = {"a": (0, 1), "b": (1, 2)}
-    x = 100 * torch.randn(2, 4)
-    outputs = []
-    for step in range(2):
-        inter.begin_step(StepLayout(spans, {"a": 0, "b": 1}, 2))
+    def blow_up(step):  # (every logit +inf: whatever the row held)
+        return _toy_spec({"op": "set", "module": "layers.1", "value": [3e38] * 4, "steps": [step]},
+                         {"op": "scale", "module": "layers.1", "factor": 10.0, "steps": [step]})
+
+    inter.admit("a", {"nnsight": blow_up(1)}, SamplingParams(max_tokens=3))
+    inter.admit("b", {"nnsight": blow_up(2)}, SamplingParams(max_tokens=3))
+    inter.admit("c", {"nnsight": _toy_spec({"op": "scale", "module": "layers.1", "factor": 1.0})},
+                SamplingParams(max_tokens=3))
+    rows = {"a": 0, "b": 1, "c": 2}
+    x = 100 * torch.randn(3, 4)
+    errors = []
+    for step in range(3):
+        inter.begin_step(StepLayout({r: (i, i + 1) for r, i in rows.items()}, rows, 3))
         with torch.no_grad():
             logits = model(x)
         inter.guard_logits(logits)
-        pending = pending_output(ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}))
-        close_step(inter, pending, {"a", "b"} if step == 1 else set())
-        outputs.append(pending.get_output())
-    last = runners.take_results(outputs[-1])
-    assert "NaN or inf by step 1" in last["a"]["error"]["message"]
-    assert last.get("b", {}).get("error") is None
+        pending = pending_output(ModelRunnerOutput(req_ids=list(rows), req_id_to_index=rows))
+        close_step(inter, pending, set(rows) if step == 2 else set())
+        taken = runners.take_results(pending.get_output()) or {}
+        errors.append({r: e["error"]["message"] for r, e in taken.items() if e.get("error")})
+    # (the step is read when the output is taken: the one that found it, or a later one)
+    assert errors[0] == {}
+    assert list(errors[1]) == ["a"] and int(re.search(r"NaN or inf by step (\d+)", errors[1]["a"])[1]) in (1, 2)
+    assert list(errors[2]) == ["b"] and int(re.search(r"NaN or inf by step (\d+)", errors[2]["b"])[1]) in (2, 3)
+    assert not finite._pending and len(finite._read) == 3  # (every step's buffer read, to be reused)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -438,15 +445,17 @@ def test_the_logits_guard_names_the_rows_that_were_not_finite(dtype):
     assert torch.isfinite(whole[[0, 1, 3]]).all() and torch.equal(whole[2], logits[2])
 
     class Landed:
-        def query(self):
-            return True
+        def synchronize(self):
+            pass
 
     big = torch.tensor([[-3e38 if dtype != torch.float16 else -6e4, 1.0]], dtype=dtype)
     maxima = torch.cat([logits.amax(dim=-1), big.amax(dim=-1), -big.amin(dim=-1)])
     view = finite_logits.host_view(maxima)
     assert view is not None and view.dtype == (np.uint16 if dtype == torch.bfloat16 else maxima.numpy().dtype)
     guard._pending.append((["a", "b", "c", "d", "e", "f"], finite_logits._Buffer(maxima, view, Landed())))
-    assert guard.collect(wait=False) == ["b", "d"]
+    failed = guard.detach()
+    assert guard.detach() is None and failed() == ["b", "d"]
+    assert guard._buffer(6, dtype).host is maxima and not guard._read  # (read on another thread: reused)
 
     # landed buffers are reused: one of the batch's exact size first, else the first that holds it
     guard._spare.clear()

@@ -131,6 +131,25 @@ def test_non_finite_values_end_their_request_and_poison_nothing(llama, ops):
         _assert_same(again, reference)
 
 
+def test_a_non_finite_error_ships_with_a_stop_token_ending_in_its_step(llama):
+    """Every token a stop token: the request ends by one at its first step, the step
+    whose logits the edit made non-finite; the error ships with that output (on a GPU
+    the check is read where vLLM takes the step's output, whatever ends the request)."""
+    llm = llama.vllm_entrypoint
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    ops = [{"op": "scale", "module": "model.layers.1", "index": i, "factor": 3e38, "steps": [0]} for i in (0, 1)]
+    traced = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=list(range(vocab)),
+                            extra_args={"nnsight": _spec(*ops)})
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=list(range(vocab)))
+    outs = llm.generate(PROMPTS, [traced, plain, traced], use_tqdm=False)
+    for out in outs:
+        assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "stop"
+    for out in (outs[0], outs[2]):
+        with pytest.raises(InterventionError, match="NaN or inf"):
+            results(out)
+    assert outs[1].outputs[0].stop_reason == outs[1].outputs[0].token_ids[0]
+
+
 def test_a_traced_request_with_its_own_cache_salt_is_still_traced(llama):
     """A caller's ``cache_salt`` beside the plugin's: the request is still known as traced
     in the engine core, so its KV blocks (NaN here) are zeroed before reuse and later

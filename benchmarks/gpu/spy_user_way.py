@@ -12,8 +12,7 @@ taking turns for ``--rounds`` rounds of ``--seconds / --rounds`` each:
 
 A workload ``steer~guard`` runs ``steer`` with the engine's logits check switched off
 (an ablation: does the rest of the step slow down with it?); ``~guardcopy`` keeps the
-check's device work but copies no flags to the host; ``~guardwait`` drops its one
-wait, in a request's last step. ``--gil`` also records
+check's device work but copies no flags to the host. ``--gil`` also records
 each process a second time with only the samples of the thread holding the GIL: a
 function that is slower only in the first recording was waiting for the GIL (another
 thread of its process held it). Each recording ends with the active time per thread.
@@ -43,7 +42,7 @@ RATE = 200  # py-spy samples per second
 _ABLATE_FLAG = os.environ.setdefault("SPY_ABLATE_FLAG", tempfile.mktemp(prefix="spy-ablate-"))
 
 
-_ABLATIONS = ("guard", "guardcopy", "guardwait")
+_ABLATIONS = ("guard", "guardcopy")
 
 
 def _install_ablation() -> None:
@@ -53,8 +52,7 @@ def _install_ablation() -> None:
 
     from vllm_nnsight_plugin.engine import finite_logits, logits_serving
 
-    guard, check, collect = (logits_serving.LogitsServing.guard_logits, finite_logits.FiniteLogits.check,
-                             finite_logits.FiniteLogits.collect)
+    guard, check = logits_serving.LogitsServing.guard_logits, finite_logits.FiniteLogits.check
 
     def ablated() -> str:
         try:
@@ -79,12 +77,8 @@ def _install_ablation() -> None:
             logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
         return []
 
-    def collected(self: object, wait: bool = True) -> list:
-        return collect(self, wait and ablated() != "guardwait")  # guardwait: the last step's wait
-
     logits_serving.LogitsServing.guard_logits = guard_logits
     finite_logits.FiniteLogits.check = checked
-    finite_logits.FiniteLogits.collect = collected
 
 
 if __name__ != "__main__":

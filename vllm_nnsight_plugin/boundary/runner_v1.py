@@ -82,7 +82,7 @@ def close_step(inter: Interleaver, runner_output: Any, finishing: set[str]) -> N
     results = inter.end_step(finishing)
     if results:
         runners.attach_results(runner_output, results)
-    late, inter.late_errors = inter.late_errors, None
+    late = inter.late_checks()
     if late is not None:
         runners.attach_late_results(runner_output, late)
 

@@ -2,9 +2,10 @@
 
 A traced request whose logits hold NaN or +inf ends with a per-request error naming
 the step. Its rows are made finite before sampling (a sampler fed NaN can fail for
-the whole batch). On a GPU the check is read once the device has got there, a step
-or two later (the CPU never waits for it); in a request's last step, where vLLM takes
-the step's output (it has waited for the step's sampled tokens by then).
+the whole batch). On a GPU each step's check is read where vLLM takes that step's
+output: vLLM has waited for the step's sampled tokens there, which the check's copy
+precedes on the stream, so the CPU never waits for it, and the error rides the very
+output of the step that found it, however the request ends (a stop token too).
 (KV blocks a traced request held are zeroed before reuse: ``boundary/kv_blocks.py``.)
 """
 
@@ -21,9 +22,10 @@ import torch
 
 class FiniteLogits:
     """Per step: traced rows of the logits made finite, and which were not, read once
-    the device has got there (a device-to-host copy that neither stalls the step nor
-    makes the CPU wait for the GPU: under async scheduling the CPU prepares the next
-    step while the GPU runs this one, and one wait per step would undo that).
+    the device has got there (a device-to-host copy read where vLLM takes the step's
+    output, :meth:`detach`: it neither stalls the step nor makes the CPU wait for the
+    GPU; under async scheduling the CPU prepares the next step while the GPU runs this
+    one, and one wait per step would undo that).
 
     A row is bad when its maximum is NaN or +inf (the maximum propagates NaN): one
     reduction and one in-place pass per step, whatever the batch; the maxima cross to
@@ -32,16 +34,16 @@ class FiniteLogits:
     step) and the landed maxima are read through numpy views."""
 
     def __init__(self) -> None:
-        self._pending: deque[tuple[list[str], _Buffer]] = deque()  # oldest first
+        self._pending: deque[tuple[list[str], _Buffer]] = deque()  # this step's, until detached
         self._spare: deque[_Buffer] = deque(maxlen=8)  # (the oldest size goes first)
+        self._read: deque[_Buffer] = deque()  # read by a detached check (another thread): spare again
 
     def check(self, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str]) -> list[str]:
         """Make the logits rows at ``index`` (those of ``req_ids``; None: every row, in
-        order) finite; return the requests whose rows were not, in the steps checked so
-        far whose copies have landed (on the CPU: this one too)."""
-        found = self.collect(wait=False) if self._pending else []
+        order) finite; on the CPU return the requests whose rows were not; on a GPU
+        return none and keep the check for :meth:`detach`."""
         if not req_ids:
-            return found
+            return []
         part = logits if index is None else logits.index_select(0, index)
         # (-inf is a mask some models' logits carry: kept, and not an error)
         maxima = part.amax(dim=-1)
@@ -50,19 +52,21 @@ class FiniteLogits:
         else:
             logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
         if maxima.device.type != "cuda":
-            return found + _bad(req_ids, maxima.float().numpy())
+            return _bad(req_ids, maxima.float().numpy())
         rows = len(req_ids)
         buffer = self._buffer(rows, maxima.dtype)
         (buffer.host if buffer.host.shape[0] == rows else buffer.host[:rows]).copy_(maxima, non_blocking=True)
         buffer.event.record()
         self._pending.append((req_ids, buffer))
-        return found
+        return []
 
     def _buffer(self, rows: int, dtype: torch.dtype) -> _Buffer:
         """A landed buffer that holds ``rows`` (one of just that size first, as a batch of
         256 finds: no slice), else a new one of at least 256 rows, a power of two (a
         batch that changes size every step allocates nothing)."""
-        spare = self._spare
+        spare, read = self._spare, self._read
+        while read:  # (deque's append and popleft are atomic: no lock with the reading thread)
+            spare.append(read.popleft())
         fits = None
         for i in range(len(spare)):
             buffer = spare[i]
@@ -79,43 +83,26 @@ class FiniteLogits:
         host = torch.empty(max(256, 1 << (rows - 1).bit_length()), dtype=dtype, pin_memory=True)
         return _Buffer(host, host_view(host), torch.cuda.Event())
 
-    @property
-    def waiting(self) -> bool:
-        return bool(self._pending)
-
     def detach(self) -> Callable[[], list[str]] | None:
         """The checks not read yet, handed over (this object forgets them): a function
         that returns the requests whose rows were not finite, waiting for the device if
-        it must. Safe to call from another thread; called where vLLM has already waited
-        for the step, it does not wait."""
+        it must, once (its buffers are then reused). Safe to call from another thread;
+        called where vLLM has already waited for the step, it does not wait."""
         if not self._pending:
             return None
         pending, self._pending = list(self._pending), deque()
+        read = self._read
 
         def failed() -> list[str]:
             found: list[str] = []
             for req_ids, buffer in pending:
                 buffer.event.synchronize()
                 found += _bad(req_ids, buffer.read(len(req_ids)))
+                read.append(buffer)
+            pending.clear()
             return found
 
         return failed
-
-    def collect(self, wait: bool = True) -> list[str]:
-        """The requests whose rows were non-finite in the checked steps (``wait``: all of
-        them, waiting for the device; else those whose copies have landed)."""
-        found: list[str] = []
-        pending = self._pending
-        while pending:
-            req_ids, buffer = pending[0]
-            if wait:
-                buffer.event.synchronize()
-            elif not buffer.event.query():
-                break
-            pending.popleft()
-            found += _bad(req_ids, buffer.read(len(req_ids)))
-            self._spare.append(buffer)
-        return found
 
 
 def host_view(host: torch.Tensor) -> np.ndarray | None:
@@ -156,17 +143,18 @@ def _bad(req_ids: list[str], maxima: np.ndarray) -> list[str]:
 class GuardedRows:
     """The logits rows the non-finite check covers, kept while the batch's rows and
     requests stay the same (``epoch``, ``rows``): the traced requests that may edit,
-    their rows' index (None: every row, in order) and the steps until the first of them
-    reaches its last step by ``max_tokens`` (None: none has a limit)."""
+    their rows' index (None: every row, in order) and each one's first block (its step
+    names when an error was found, also once the block has ended)."""
 
     epoch: int
     rows: dict[str, int]
     req_ids: list[str]
     index: torch.Tensor | None
-    room: int | None
+    blocks: dict[str, Any]
 
 
 def non_finite_message(step: int | str) -> str:
-    # (by: the check is read once the device has got there, a step or two later)
+    # (by: on a GPU the step is read where the step's output is taken, when the request
+    # may have moved on a step)
     return (f"the logits held NaN or inf by step {step}: an edit made this request's activations overflow or "
             "become NaN, so it ends here (its KV cache blocks are zeroed before any other request gets them)")

@@ -62,9 +62,6 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
         self.finite = finite_logits.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
-        # errors known once the device has got past this step (the logits check of a
-        # request's last step): the runner adds them to the step's results where vLLM takes them
-        self.late_errors: Callable[[], dict[str, dict[str, Any]]] | None = None
         self._guard_memo: GuardedRows | None = None
         self.requests = TracedRequests()
         self._served: set[int] | None = set()  # storages served to blocks (see owns)

@@ -5,6 +5,7 @@ of :class:`.interleave.Interleaver` (a mixin: the state lives there)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,13 +18,13 @@ class LogitsServing:
     def guard_logits(self, logits: torch.Tensor) -> None:
         """Logits rows of traced requests that may edit made finite before sampling; a
         request whose rows were not fails (see :mod:`.finite_logits`). Requests that only
-        read are not checked: they change no activation. On a GPU the check is read when
-        the device has got there; in a request's last step by ``max_tokens``, where vLLM
-        takes that step's output (``late_errors``). The checked rows are kept while the
-        batch's rows and requests stay the same (:class:`.finite_logits.GuardedRows`)."""
+        read are not checked: they change no activation. On a GPU the check is read where
+        vLLM takes the step's output (:meth:`late_checks`). The checked rows are kept
+        while the batch's rows and requests stay the same
+        (:class:`.finite_logits.GuardedRows`)."""
         layout = self.layout
         self.vocab = int(logits.shape[-1])
-        if not self.sessions and not self.finite.waiting:
+        if not self.sessions:
             return
         memo = self._guard_memo
         if memo is None or memo.epoch != self._epoch or not (memo.rows is layout.rows or memo.rows == layout.rows):
@@ -37,26 +38,21 @@ class LogitsServing:
                 index = torch.tensor(rows, dtype=torch.long)
                 if logits.device.type == "cuda":
                     index = index.pin_memory().to(logits.device, non_blocking=True)
-            # steps until the first of them reaches its last step by max_tokens (every request
-            # of an unchanged batch advances one step per call)
-            room = min((limit - (self.sessions[r][0].step + 1) for r in req_ids
-                        if (limit := getattr(self.params.get(r), "max_tokens", None)) is not None), default=None)
-            memo = self._guard_memo = GuardedRows(self._epoch, layout.rows, req_ids, index, room)
-        req_ids, room = memo.req_ids, memo.room
-        found = self.finite.check(logits, memo.index, req_ids)
-        if room is not None:
-            memo.room = room - 1
-        if self.finite.waiting and room is not None and room <= 0:
-            # a request's last step: its error must ship with its output, read where vLLM
-            # takes that output (a wait here, before sampling, would stall the step)
-            failed = self.finite.detach()
-            steps = {r: self.sessions[r][0].step for r in req_ids if r in self.sessions}
-            self.late_errors = lambda: {r: {"error": engine_error(non_finite_message(steps.get(r, "?")))}
-                                        for r in failed()}
-        for req_id in found:
-            step = self.sessions[req_id][0].step if req_id in self.sessions else "?"
-            self.fail_request(req_id, non_finite_message(step))
+            memo = self._guard_memo = GuardedRows(self._epoch, layout.rows, req_ids, index,
+                                                  {r: sessions[r][0] for r in req_ids})
+        for req_id in self.finite.check(logits, memo.index, memo.req_ids):  # (the CPU's, found now)
+            self.fail_request(req_id, non_finite_message(memo.blocks[req_id].step))
 
+    def late_checks(self) -> Callable[[], dict[str, dict[str, Any]]] | None:
+        """This step's checks still on the device, as results to merge where vLLM takes
+        the step's output (``runners.attach_late_results``): the error of a request
+        whose rows were not finite, on the output of the step that found it, whether or
+        not that step is its last. None: nothing to read."""
+        failed = self.finite.detach()
+        if failed is None:
+            return None
+        blocks = self._guard_memo.blocks  # (this step's: the memo may change before the output is taken)
+        return lambda: {r: {"error": engine_error(non_finite_message(blocks[r].step))} for r in failed()}
 
     def keep_logits(self, logits: torch.Tensor) -> None:
         """Keep the logits rows of requests with a block (the sampler edits logits in
