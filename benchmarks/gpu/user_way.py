@@ -196,6 +196,20 @@ def child(kind: str, memory: float, tp: int) -> None:
 
         model = VLLM(headline.MODEL, dispatch=True, **engine)
         runs = {"plain": plugin_runs(model)["plain"]}
+    elif kind == "loaded":  # stock LLM, graphs, the plugin loaded in its processes: its hooks' cost alone
+        llm = LLM(model=headline.MODEL, **engine)
+        params = SamplingParams(**SAMPLING, detokenize=False)
+
+        def plain(prompts: list[list[int]]) -> list[Any]:
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+        runs = {"plain": plain}
+    elif kind == "nolanes":  # the taps engine with lanes off: its untraced traffic without the lanes' kernels
+        from vllm_nnsight_plugin import VLLM
+
+        model = VLLM(headline.MODEL, taps=TAP, dispatch=True, additional_config={"nnsight": {"lanes": False}},
+                     **engine)
+        runs = {"plain": plugin_runs(model)["plain"]}
     else:
         from vllm_nnsight_plugin import VLLM
 
@@ -266,7 +280,9 @@ def main() -> None:
     parser.add_argument("--engines", default="stock,stock2,plugin",
                         help="stock2: a second stock engine, to show how far two identical engines differ; "
                              "nnsight: nnsight 0.8.1's VLLM with the same taps (remote.sh installs it); "
-                             "idle: the plugin loaded without taps (its untraced traffic)")
+                             "idle: the plugin loaded without taps (its untraced traffic); loaded: stock LLM "
+                             "with the plugin loaded (its hooks alone, graphs on); nolanes: the taps engine "
+                             "with lanes off (untraced traffic without the lanes' kernels)")
     parser.add_argument("--workloads", default="", help="only these workloads (default: every one)")
     parser.add_argument("--pairs", type=int, default=2, help="pairs of each workload per round (fresh prompts each)")
     parser.add_argument("--child")
@@ -289,7 +305,7 @@ def main() -> None:
     core_sets = [cores[n * share:(n + 1) * share] for n in range(len(kinds))]
     for n, kind in enumerate(kinds):
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING",
-                   VLLM_NNSIGHT_DISABLE="0" if kind in ("plugin", "idle") else "1")
+                   VLLM_NNSIGHT_DISABLE="0" if kind in ("plugin", "idle", "loaded", "nolanes") else "1")
         if kind == "nnsight":
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [NNSIGHT_SITE, env.get("PYTHONPATH")]))
         err = open(os.path.join(out_dir, f"user_way-{kind}.stderr"), "w")
