@@ -220,6 +220,20 @@ def test_late_results_ride_the_output_vllm_takes():
     assert runners.take_results(quiet) is None
 
 
+def test_an_error_in_the_engine_cores_store_outlives_later_steps_entries():
+    """A step's output may carry a request's error (read late, after the step) while the
+    request takes no token in that step, so vLLM does not stop it there; the worker's
+    entries of later steps say ``"error": None``. The error stays, and the request
+    stays halting."""
+    from vllm_nnsight_plugin.boundary import results
+
+    store, halting = {}, set()
+    results.merge(store, {"a": {"error": {"message": "NaN"}}, "b": {"saves": {}, "error": None}}, halting)
+    results.merge(store, {"a": {"saves": {}, "error": None, "done": False}, "b": {"error": None}}, halting)
+    assert store["a"]["error"] == {"message": "NaN"} and store["a"]["done"] is False
+    assert store["b"]["error"] is None and halting == {"a"}
+
+
 def test_a_steps_new_requests_carry_their_extra_args_and_params():
     from types import SimpleNamespace
 

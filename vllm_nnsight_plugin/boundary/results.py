@@ -47,7 +47,7 @@ def merge(store: dict[str, dict[str, Any]], step_results: dict[str, dict[str, An
             entry["step_saves"] = {n: update["saves"][n] for n in changed if n in update["saves"]}
             entry["step"] = update.get("step", 0)
         for key in ("error", "done", "stop", "pending", "ran_as"):
-            if key in update:
+            if key in update and not (key == "error" and entry.get("error")):  # (an error stays)
                 entry[key] = update[key]
         if update.get("warnings"):
             entry["warnings"] = update["warnings"]

@@ -38,19 +38,23 @@ class FiniteLogits:
         self._spare: deque[_Buffer] = deque(maxlen=8)  # (the oldest size goes first)
         self._read: deque[_Buffer] = deque()  # read by a detached check (another thread): spare again
 
-    def check(self, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str]) -> list[str]:
+    def check(self, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str],
+              report: bool = True) -> list[str]:
         """Make the logits rows at ``index`` (those of ``req_ids``; None: every row, in
         order) finite; on the CPU return the requests whose rows were not; on a GPU
-        return none and keep the check for :meth:`detach`."""
+        return none and keep the check for :meth:`detach`. Not ``report``: only make
+        them finite (a tensor-parallel rank whose outputs vLLM never reads)."""
         if not req_ids:
             return []
         part = logits if index is None else logits.index_select(0, index)
         # (-inf is a mask some models' logits carry: kept, and not an error)
-        maxima = part.amax(dim=-1)
+        maxima = part.amax(dim=-1) if report else None
         if index is None:
             torch.nan_to_num(logits, neginf=float("-inf"), out=logits)
         else:
             logits.index_copy_(0, index, torch.nan_to_num(part, neginf=float("-inf")))
+        if maxima is None:
+            return []
         if maxima.device.type != "cuda":
             return _bad(req_ids, maxima.float().numpy())
         rows = len(req_ids)
@@ -143,8 +147,8 @@ def _bad(req_ids: list[str], maxima: np.ndarray) -> list[str]:
 class GuardedRows:
     """The logits rows the non-finite check covers, kept while the batch's rows and
     requests stay the same (``epoch``, ``rows``): the traced requests that may edit,
-    their rows' index (None: every row, in order) and each one's first block (its step
-    names when an error was found, also once the block has ended)."""
+    their rows' index (None: every row, in order) and each one's first block (whose
+    step names when an error was found, also once the block has ended)."""
 
     epoch: int
     rows: dict[str, int]
@@ -155,6 +159,6 @@ class GuardedRows:
 
 def non_finite_message(step: int | str) -> str:
     # (by: on a GPU the step is read where the step's output is taken, when the request
-    # may have moved on a step)
+    # may have moved on to the next one)
     return (f"the logits held NaN or inf by step {step}: an edit made this request's activations overflow or "
             "become NaN, so it ends here (its KV cache blocks are zeroed before any other request gets them)")

@@ -63,6 +63,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.finite = finite_logits.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
         self._guard_memo: GuardedRows | None = None
+        self._checked_blocks: dict[str, Any] | None = None  # this step's checked requests' blocks
         self.requests = TracedRequests()
         self._served: set[int] | None = set()  # storages served to blocks (see owns)
         self._lane_keys: dict[tuple, str] = {}  # location key -> tap site with lanes
@@ -202,6 +203,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.layout = None
         if not self.sessions:  # nothing live can hold a served view: start the storage set afresh
             self._served = set()
+            self._guard_memo = None  # (it holds blocks: their last snapshots may hold host memory)
             host.release()  # (and later reads start fresh host blocks)
         self.batched.prune()
         if self.stages is not None:

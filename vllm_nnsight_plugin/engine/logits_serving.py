@@ -40,7 +40,12 @@ class LogitsServing:
                     index = index.pin_memory().to(logits.device, non_blocking=True)
             memo = self._guard_memo = GuardedRows(self._epoch, layout.rows, req_ids, index,
                                                   {r: sessions[r][0] for r in req_ids})
-        for req_id in self.finite.check(logits, memo.index, memo.req_ids):  # (the CPU's, found now)
+        # (on a GPU, a tensor-parallel rank but the first only makes its rows finite: vLLM
+        # reads the first rank's outputs alone; on the CPU every rank fails the request now)
+        group = self.setup.tensor_parallel
+        report = group is None or group.rank == 0 or logits.device.type != "cuda"
+        self._checked_blocks = memo.blocks  # (whose steps name what late_checks finds)
+        for req_id in self.finite.check(logits, memo.index, memo.req_ids, report):  # (the CPU's, found now)
             self.fail_request(req_id, non_finite_message(memo.blocks[req_id].step))
 
     def late_checks(self) -> Callable[[], dict[str, dict[str, Any]]] | None:
@@ -49,10 +54,13 @@ class LogitsServing:
         whose rows were not finite, on the output of the step that found it, whether or
         not that step is its last. None: nothing to read."""
         failed = self.finite.detach()
+        # (this step's blocks: the memo may change or go before the output is taken; read
+        # after the step's close, a block's step count has moved past the step that found it)
+        blocks, self._checked_blocks = self._checked_blocks, None
         if failed is None:
             return None
-        blocks = self._guard_memo.blocks  # (this step's: the memo may change before the output is taken)
-        return lambda: {r: {"error": engine_error(non_finite_message(blocks[r].step))} for r in failed()}
+        return lambda: {r: {"error": engine_error(non_finite_message(max(blocks[r].step - 1, 0)))}
+                        for r in failed()}
 
     def keep_logits(self, logits: torch.Tensor) -> None:
         """Keep the logits rows of requests with a block (the sampler edits logits in
