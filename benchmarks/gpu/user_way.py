@@ -171,7 +171,7 @@ def child(kind: str, memory: float, tp: int) -> None:
         engine["tensor_parallel_size"] = tp
     whole_bytes = None  # () -> rank 0's count of bytes put together so far (plugin engines under TP)
     t0 = time.time()
-    if kind.startswith("stock"):
+    if kind.startswith("stock") or kind == "loaded":  # (loaded: the same, with the plugin in its processes)
         llm = LLM(model=headline.MODEL, **engine)
         params = SamplingParams(**SAMPLING, detokenize=False)
 
@@ -196,14 +196,6 @@ def child(kind: str, memory: float, tp: int) -> None:
 
         model = VLLM(headline.MODEL, dispatch=True, **engine)
         runs = {"plain": plugin_runs(model)["plain"]}
-    elif kind == "loaded":  # stock LLM, graphs, the plugin loaded in its processes: its hooks' cost alone
-        llm = LLM(model=headline.MODEL, **engine)
-        params = SamplingParams(**SAMPLING, detokenize=False)
-
-        def plain(prompts: list[list[int]]) -> list[Any]:
-            return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-        runs = {"plain": plain}
     elif kind == "nolanes":  # the taps engine with lanes off: its untraced traffic without the lanes' kernels
         from vllm_nnsight_plugin import VLLM
 

@@ -34,7 +34,7 @@ class FiniteLogits:
     step) and the landed maxima are read through numpy views."""
 
     def __init__(self) -> None:
-        self._pending: deque[tuple[list[str], _Buffer]] = deque()  # this step's, until detached
+        self._pending: list[tuple[list[str], _Buffer]] = []  # this step's, until detached
         self._spare: deque[_Buffer] = deque(maxlen=8)  # (the oldest size goes first)
         self._read: deque[_Buffer] = deque()  # read by a detached check (another thread): spare again
 
@@ -94,7 +94,7 @@ class FiniteLogits:
         called where vLLM has already waited for the step, it does not wait."""
         if not self._pending:
             return None
-        pending, self._pending = list(self._pending), deque()
+        pending, self._pending = self._pending, []
         read = self._read
 
         def failed() -> list[str]:
