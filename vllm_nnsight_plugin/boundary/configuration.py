@@ -68,10 +68,25 @@ def llm_config(llm: Any) -> Any:
     return llm.llm_engine.vllm_config
 
 
+_widths: dict[int, tuple[Any, int | None]] = {}  # id(vllm_config) -> (config, its model_width)
+
+
 def model_width(vllm_config: Any) -> int | None:
     """An upper bound on the last dimension of any activation of the served model (a
     spec's longer value cannot fit anywhere): the vocabulary, the fused QKV and
-    gate/up projections, a 4x MLP. None when the config does not say."""
+    gate/up projections, a 4x MLP. None when the config does not say. Computed once
+    per config (the front end asks for every traced request)."""
+    hit = _widths.get(id(vllm_config))
+    if hit is not None and hit[0] is vllm_config:
+        return hit[1]
+    if len(_widths) > 16:
+        _widths.clear()
+    width = _model_width(vllm_config)
+    _widths[id(vllm_config)] = (vllm_config, width)
+    return width
+
+
+def _model_width(vllm_config: Any) -> int | None:
     mc = getattr(vllm_config, "model_config", None)
     if mc is None:
         return None
