@@ -4,6 +4,7 @@ the model's widths and the operator's ``additional_config["nnsight"]`` section.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..payload.settings import Settings, settings_of
@@ -68,7 +69,21 @@ def llm_config(llm: Any) -> Any:
     return llm.llm_engine.vllm_config
 
 
-_widths: dict[int, tuple[Any, int | None]] = {}  # id(vllm_config) -> (config, its model_width)
+def _once_per(table: dict[int, tuple[Any, Any]], key: Any, compute: Callable[[Any], Any], keep: bool = True) -> Any:
+    """``compute(key)``, once per ``key`` object (held by identity: configs do not hash;
+    at most 17 kept). Not ``keep``: computed, not stored."""
+    hit = table.get(id(key))
+    if hit is not None and hit[0] is key:
+        return hit[1]
+    if len(table) > 16:
+        table.clear()
+    value = compute(key)
+    if keep:
+        table[id(key)] = (key, value)
+    return value
+
+
+_widths: dict[int, tuple[Any, Any]] = {}  # id(vllm_config) -> (config, its model_width)
 
 
 def model_width(vllm_config: Any) -> int | None:
@@ -76,14 +91,7 @@ def model_width(vllm_config: Any) -> int | None:
     spec's longer value cannot fit anywhere): the vocabulary, the fused QKV and
     gate/up projections, a 4x MLP. None when the config does not say. Computed once
     per config (the front end asks for every traced request)."""
-    hit = _widths.get(id(vllm_config))
-    if hit is not None and hit[0] is vllm_config:
-        return hit[1]
-    if len(_widths) > 16:
-        _widths.clear()
-    width = _model_width(vllm_config)
-    _widths[id(vllm_config)] = (vllm_config, width)
-    return width
+    return _once_per(_widths, vllm_config, _model_width)
 
 
 def _model_width(vllm_config: Any) -> int | None:
@@ -100,22 +108,15 @@ def _model_width(vllm_config: Any) -> int | None:
         return None
 
 
-_parsed: dict[int, tuple[dict, Settings]] = {}  # id(section) -> (section, its settings)
+_parsed: dict[int, tuple[Any, Any]] = {}  # id(section) -> (section, its settings)
 
 
 def settings(vllm_config: Any) -> Settings:
     """The plugin's settings for this engine (:mod:`..payload.settings`), parsed once
     per section (the front end asks for every traced request)."""
     section = additional_config(vllm_config)
-    hit = _parsed.get(id(section))
-    if hit is not None and hit[0] is section:
-        return hit[1]
-    if len(_parsed) > 16:
-        _parsed.clear()
-    found = settings_of(section)
-    if section:  # (an absent section is a new {} each time: settings_of caches those)
-        _parsed[id(section)] = (section, found)
-    return found
+    # (an absent section is a new {} each time: settings_of caches those)
+    return _once_per(_parsed, section, settings_of, keep=bool(section))
 
 
 def additional_config(vllm_config: Any) -> dict:
