@@ -250,3 +250,30 @@ def test_a_steps_new_requests_carry_their_extra_args_and_params():
     assert new == [runners.NewRequest("a", {"nnsight": "payload"}, traced),
                    runners.NewRequest("b", None, plain), runners.NewRequest("c", None, None)]
     assert new[0].extra_args is traced.extra_args and new[1].params is plain
+
+
+def test_the_width_bound_is_computed_once_per_model_config():
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.boundary import configuration
+
+    asked = []
+
+    class ModelConfig:
+        hf_text_config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=300)
+
+        def get_hidden_size(self) -> int:
+            asked.append(self)
+            return 64
+
+        def get_vocab_size(self) -> int:
+            return 1000
+
+        def get_head_size(self) -> int:
+            return 16
+
+    one, two = SimpleNamespace(model_config=ModelConfig()), SimpleNamespace(model_config=ModelConfig())
+    assert configuration.model_width(one) == configuration.model_width(one) == 1000
+    assert len(asked) == 1  # (the second answer was the memo's)
+    assert configuration.model_width(two) == 1000 and len(asked) == 2  # (another model config: computed)
+    assert configuration.model_width(SimpleNamespace()) is None

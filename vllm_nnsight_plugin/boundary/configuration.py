@@ -83,21 +83,21 @@ def _once_per(table: dict[int, tuple[Any, Any]], key: Any, compute: Callable[[An
     return value
 
 
-_widths: dict[int, tuple[Any, Any]] = {}  # id(vllm_config) -> (config, its model_width)
+# id(model_config) -> (model config, its width bound); the model config, not the engine's
+# whole config, which in-process engines share and which reaches their layers
+_widths: dict[int, tuple[Any, Any]] = {}
 
 
 def model_width(vllm_config: Any) -> int | None:
     """An upper bound on the last dimension of any activation of the served model (a
     spec's longer value cannot fit anywhere): the vocabulary, the fused QKV and
     gate/up projections, a 4x MLP. None when the config does not say. Computed once
-    per config (the front end asks for every traced request)."""
-    return _once_per(_widths, vllm_config, _model_width)
-
-
-def _model_width(vllm_config: Any) -> int | None:
+    per model config (the front end asks for every traced request)."""
     mc = getattr(vllm_config, "model_config", None)
-    if mc is None:
-        return None
+    return None if mc is None else _once_per(_widths, mc, _model_width)
+
+
+def _model_width(mc: Any) -> int | None:
     try:
         hf = mc.hf_text_config
         hidden, heads = mc.get_hidden_size(), getattr(hf, "num_attention_heads", 0) or 0
