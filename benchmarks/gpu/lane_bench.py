@@ -2,11 +2,13 @@
 
 Every full-graph decode step of a tapped engine replays each tapped tensor's lane
 kernels (``engine/lanes.PartLane.kernels``), whether or not a request uses them.
-This captures them alone in a CUDA graph, for the headline's shapes (a decoder
-layer's output: two tensors of rows x 2048 bf16), and times a replay against a graph
-of the same length without them:
+This captures them alone in a CUDA graph, ``--copies`` passes over the headline's
+shapes (a decoder layer's output: two tensors of rows x 2048 bf16), and gives a
+replay's time per pass; the kernels per tensor are counted in an eager pass. The
+last column replays the same graph with a slot in use (a steering step's tables):
+the kernels do the same work either way.
 
-    python3 benchmarks/gpu/lane_bench.py [--rows 256] [--width 2048] [--tensors 2]
+    python3 benchmarks/gpu/lane_bench.py [--rows 64,256,512] [--width 2048] [--tensors 2]
 """
 
 from __future__ import annotations
