@@ -21,6 +21,7 @@ from . import kv_blocks, patching, runners, tap_setup
 from .runner_v1 import (
     _ATTR,
     _SO,
+    _STEADY,
     _load_model,
     admit_step,
     close_step,
@@ -30,9 +31,6 @@ from .runner_v1 import (
 )
 
 _BATCH = "_nnsight_input_batch"  # this step's (InputBatch, v2_batch table), until sample_tokens
-# the last decode-only step's (request ids, spans, rows): a step with the same ids reuses them
-# (spans and rows are never changed once published), so a steady batch is not walked
-_STEADY = "_nnsight_steady_layout"
 _graph_mode: str | None = None  # "piecewise"/"eager" per step (execute_model), read by the dispatch wrap
 
 

@@ -106,6 +106,18 @@ def v1_batch(runner: Any, scheduler_output: Any) -> list[V1Row]:
     return out
 
 
+def v1_decode_ids(runner: Any, scheduler_output: Any) -> list[str] | None:
+    """The request ids of a V1 step in which every row decodes one token (no prompt
+    rows, no draft tokens), else None: such a step has the layout of the last one when
+    the ids are the same, in the same order (as :func:`v2_decode_ids`)."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    if scheduler_output.total_num_scheduled_tokens != n \
+            or not (batch.num_computed_tokens_cpu[:n] >= batch.num_prompt_tokens[:n]).all():
+        return None
+    return batch.req_ids[:n]  # (a copy: the batch's own list changes in place)
+
+
 def will_finish(runner: Any, req_id: str, sampled: Callable[[], int]) -> bool:
     """Whether the token sampled this step ends the request (as the scheduler's
     stop check will decide). Stop strings are only seen by the front end.
