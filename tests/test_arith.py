@@ -129,13 +129,35 @@ def test_fused_lane_kernel_equals_the_torch_ops_on_cuda(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: where lanes take the fused kernel")
-def test_a_gpu_lane_runs_the_fused_kernel():
-    x = torch.randn(4, 64, device="cuda").to(torch.bfloat16)
-    site = "model.layers.0|output|T"
+def test_a_gpu_lane_runs_the_fused_kernel_inside_a_cuda_graph():
+    """As vLLM uses lanes: made at the tap op's first call (outside capture), captured
+    into a full graph, then the tables of a later step set before a replay; the
+    replay equals the torch ops on the same tables, and captured no build."""
+    from vllm_nnsight_plugin.engine import lane_kernel
+
+    site = "model.layers.0|output|(TT"
+    xs = [torch.randn(8, 3, 500, device="cuda").to(torch.bfloat16) for _ in range(2)]
     lanes.enable(16)
     try:
-        lanes.run(site, [x])
-        (lane,) = lanes.lanes_at(site)
-        assert lane.fused is not None
+        lanes.run(site, xs)
+        lane = lanes.lanes_at(site)[0]
+        assert lane.fused is lane_kernel
+        builds = sum(len(cache[0]) for cache in lane_kernel.kernel().device_caches.values())
+        static = [x.clone() for x in xs]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            lanes.run(site, static)
+        assert sum(len(cache[0]) for cache in lane_kernel.kernel().device_caches.values()) == builds
+        lane.set_slot(1, "add", arith.operand(torch.linspace(-2, 2, 1500).reshape(3, 500).tolist(), xs[0]))
+        lane.set_rows([(2, 5, 1)])
+        for x, y in zip(static, xs):
+            x.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = xs[0].clone()
+        lane.fused = None  # (the torch ops, on the same tables)
+        lane.kernels(want)
+        assert torch.equal(static[0].view(torch.int16), want.view(torch.int16))
+        assert torch.equal(static[1].view(torch.int16), xs[1].view(torch.int16))  # (no slots: untouched)
     finally:
         lanes.reset()
