@@ -81,3 +81,83 @@ def test_operands_refuse_non_finite_values():
     for bad in (float("nan"), [1.0, float("inf"), 0.0]):
         with pytest.raises(ValueError, match="NaN or inf"):
             arith.operand(bad, x)
+
+
+def _fused_against_torch_ops(dtype: torch.dtype, device: str) -> None:
+    """The fused lane kernel and the lanes' torch ops give the same bits: every edit
+    (a slot each), rows no slot picks, NaN and inf rows, the read buffer; on rows of
+    3 x 500 values (two blocks of columns, the second partly outside the row)."""
+    from vllm_nnsight_plugin.engine import lane_kernel
+
+    x = torch.randn(12, 3, 500, generator=torch.Generator().manual_seed(1))
+    x[0], x[1, 2, 7], x[2, 0, 499], x[5, 1, 0], x[9, 2, 3] = float("nan"), float("inf"), float("-inf"), -0.0, 1e30
+    x = x.to(dtype=dtype, device=device)
+    lane = lanes.PartLane(x, rows=16)
+    vec = arith.operand(torch.linspace(-2, 2, 1500).reshape(3, 500).tolist(), x)
+    for slot, (kind, value, factor) in enumerate(
+            [("add", vec, 1.0), ("scale", None, 0.3), ("zero", None, 1.0), ("set", vec, 1.0), ("set", 0.1, 1.0),
+             ("add", 0.1, 1.0)], start=1):
+        lane.set_slot(slot, kind, value, factor)
+    lane.set_rows([(0, 2, 1), (2, 3, 2), (4, 5, 3), (5, 7, 4), (8, 9, 5), (9, 11, 6)])  # rows 3, 7, 11: none
+    by_ops, fused = x.clone(), x.clone()
+    lane.kernels(by_ops)
+    read_by_ops = lane.read.clone()
+    lane.read.fill_(7)
+    assert lane_kernel.takes(fused)
+    lane_kernel.launch(lane, fused)
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    assert not torch.equal(by_ops.view(bits), x.view(bits))  # (the edits changed something)
+    assert torch.equal(fused.view(bits), by_ops.view(bits))
+    assert torch.equal(lane.read[:12].view(bits), read_by_ops[:12].view(bits))
+    assert bool((lane.read[12:] == 7).all())  # (rows past the batch: not written)
+    assert torch.equal(fused[[3, 7, 11]].view(bits), x[[3, 7, 11]].view(bits))  # untouched: bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_lane_kernel_equals_the_torch_ops(dtype, monkeypatch):
+    # Triton's interpreter runs the kernel on CPU tensors (it casts to bfloat16 by
+    # truncation, not as the GPU rounds: bfloat16 is checked on CUDA below)
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _fused_against_torch_ops(dtype, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the kernel compiled for the GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_lane_kernel_equals_the_torch_ops_on_cuda(dtype):
+    _fused_against_torch_ops(dtype, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: where lanes take the fused kernel")
+def test_a_gpu_lane_runs_the_fused_kernel_inside_a_cuda_graph():
+    """As vLLM uses lanes: made at the tap op's first call (outside capture), captured
+    into a full graph, then the tables of a later step set before a replay; the
+    replay equals the torch ops on the same tables, and captured no build."""
+    from vllm_nnsight_plugin.engine import lane_kernel
+
+    site = "model.layers.0|output|(TT"
+    xs = [torch.randn(8, 3, 500, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    lanes.enable(16)
+    try:
+        lanes.run(site, xs)
+        lane = lanes.lanes_at(site)[0]
+        assert lane.fused is lane_kernel
+        builds = sum(len(cache[0]) for cache in lane_kernel.kernel().device_caches.values())
+        static = [x.clone() for x in xs]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            lanes.run(site, static)
+        assert sum(len(cache[0]) for cache in lane_kernel.kernel().device_caches.values()) == builds
+        lane.set_slot(1, "add", arith.operand(torch.linspace(-2, 2, 1500).reshape(3, 500).tolist(), xs[0]))
+        lane.set_rows([(2, 5, 1)])
+        for x, y in zip(static, xs):
+            x.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = xs[0].clone()
+        lane.fused = None  # (the torch ops, on the same tables)
+        lane.kernels(want)
+        assert torch.equal(static[0].view(torch.int16), want.view(torch.int16))
+        assert torch.equal(static[1].view(torch.int16), xs[1].view(torch.int16))  # (no slots: untouched)
+    finally:
+        lanes.reset()

@@ -18,10 +18,11 @@ do not read the old value, so a NaN row becomes what eager PyTorch makes it); th
 arithmetic runs in fp32 and rounds once, as PyTorch's own in-place ops do, so
 the result equals the eager path's; untouched rows are copied as they are (bit
 for bit). These kernels are recorded when vLLM captures its full graphs and
-replay on every step: a few small kernels per tapped tensor per step (the
-price of keeping full graphs; ``--additional-config '{"nnsight": {"lanes":
-false}}'`` turns lanes off). Outside graph replay (eager or piecewise steps)
-they run only on steps that use them.
+replay on every step, traced or not: on a GPU one fused Triton kernel per tapped
+tensor (:mod:`.lane_kernel`), elsewhere (or for a tensor it cannot take) the
+torch ops of :meth:`PartLane.kernels` (the price of keeping full graphs;
+``--additional-config '{"nnsight": {"lanes": false}}'`` turns lanes off). Outside
+graph replay (eager or piecewise steps) they run only on steps that use them.
 
 A step with the rows and slots of the step before (decode steps of a steady
 batch) uploads nothing: ``sel`` keeps its table, and :func:`settle` zeroes, before
@@ -34,6 +35,7 @@ one tapped engine per process, which is how vLLM runs its workers.
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -94,11 +96,15 @@ class PartLane:
         self.reading = False  # a read wants this step's rows
         self.slot_keys: tuple = ()  # what the tables hold (re-uploaded when it changes)
         self._live: Any = None  # the host table sel holds (None: zeros)
+        self.fused: ModuleType | None = None  # lane_kernel, where its one Triton kernel runs this lane
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and tuple(x.shape[1:]) == self.inner and x.shape[0] <= self.rows
 
     def kernels(self, x: torch.Tensor) -> None:
+        if self.fused is not None and x.shape[0] <= self.rows and self.fused.takes(x):
+            self.fused.launch(self, x)
+            return
         n = x.shape[0]
         idx = self.sel[:n]
         offset = self.offset.index_select(0, idx)
@@ -182,6 +188,11 @@ def run(site: str, xs: list[torch.Tensor]) -> None:
             return
         parts = _sites[site] = [PartLane(x, _cap) if x.is_floating_point() and x.dim() >= 2 else None
                                 for x in xs]
+        for lane in parts:
+            if lane is not None and lane.sel.is_cuda:
+                from . import lane_kernel  # (Triton: only where a GPU's lanes use it)
+
+                lane.fused = lane_kernel if lane_kernel.warm(lane) else None
     for lane, x in zip(parts, xs):
         if lane is not None and (capturing or lane.editing or lane.reading) and lane.fits(x):
             lane.kernels(x)
