@@ -65,9 +65,10 @@ def _install_ablation() -> None:
         if ablated() != "guard":
             guard(self, logits)
 
-    def checked(self: object, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list) -> list:
+    def checked(self: object, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list,
+                report: bool = True) -> list:
         if ablated() != "guardcopy" or not req_ids:
-            return check(self, logits, index, req_ids)
+            return check(self, logits, index, req_ids, report)
         # the check's device work, no flags copied to the host
         part = logits if index is None else logits.index_select(0, index)
         (part.amax(dim=-1) < float("inf")).all()
