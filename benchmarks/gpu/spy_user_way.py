@@ -12,7 +12,9 @@ taking turns for ``--rounds`` rounds of ``--seconds / --rounds`` each:
 
 A workload ``steer~guard`` runs ``steer`` with the engine's logits check switched off
 (an ablation: does the rest of the step slow down with it?); ``~guardcopy`` keeps the
-check's device work but copies no flags to the host. ``--gil`` also records
+check's device work but copies no flags to the host. The wrappers that switch them are
+installed in the engine core only when a workload asks for an ablation (they cost a
+file read per step). ``--gil`` also records
 each process a second time with only the samples of the thread holding the GIL: a
 function that is slower only in the first recording was waiting for the GIL (another
 thread of its process held it). Each recording ends with the active time per thread.
@@ -82,7 +84,9 @@ def _install_ablation() -> None:
     finite_logits.FiniteLogits.check = checked
 
 
-if __name__ != "__main__":
+_ABLATE_ENV = "NNSIGHT_SPY_ABLATIONS"  # set by main() only when a workload ablates: else no wrapper
+
+if __name__ != "__main__" and os.environ.get(_ABLATE_ENV):
     _install_ablation()
 
 
@@ -153,6 +157,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=0, help="prompts per batch (default: the headline's)")
     parser.add_argument("--gil", action="store_true", help="also record only the GIL holder's samples")
     args = parser.parse_args()
+    print("spy_user_way.py " + " ".join(sys.argv[1:]), flush=True)
+    if any("~" in name for name in args.workloads.split(",")):
+        os.environ[_ABLATE_ENV] = "1"  # (the engine core, spawned below, inherits it)
     import headline
     import torch
     import user_way
