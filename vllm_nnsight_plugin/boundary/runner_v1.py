@@ -28,9 +28,8 @@ logger = logging.getLogger("vllm.nnsight_plugin")
 
 _ATTR = "_nnsight_interleaver"
 _SO = "_nnsight_scheduler_output"
-# the last decode-only step's request ids and layout (V1: spans, rows, tokens; V2: spans,
-# rows): a step with the same ids reuses them (spans and rows are never changed once
-# published), so a steady batch is not walked
+# the last decode-only step's (request ids, spans, rows): a step with the same ids reuses
+# them (spans and rows are never changed once published), so a steady batch is not walked
 _STEADY = "_nnsight_steady_layout"
 
 
@@ -139,7 +138,8 @@ def _model_forward(original: Callable) -> Callable:
         decode = runners.v1_decode_ids(self, so)
         last = self.__dict__.get(_STEADY)
         if decode is not None and last is not None and last[0] == decode:
-            spans, rows, start = last[1], last[2], last[3]  # a steady decode batch: the last step's layout
+            spans, rows = last[1], last[2]  # a steady decode batch: the last step's layout
+            start = len(spans)  # (one token each)
         else:
             spans, rows = {}, {}
             start = 0
@@ -150,7 +150,7 @@ def _model_forward(original: Callable) -> Callable:
                 if req_id in inter.sessions and computed < prompt_len:
                     if computed > 0 or scheduled < prompt_len - computed:
                         inter.prompt_split(req_id, prompt_len, computed, scheduled)
-            self.__dict__[_STEADY] = (decode, spans, rows, start) if decode is not None else None
+            self.__dict__[_STEADY] = (decode, spans, rows) if decode is not None else None
         num_tokens = int(ids.shape[0]) if ids is not None else start
         inter.begin_step(StepLayout(spans, rows, num_tokens))
         if inter.stages is not None:
