@@ -22,6 +22,12 @@ def runs_eager(vllm_config: Any) -> bool:
     return mode_none and graphs_none
 
 
+def speculative_method(vllm_config: Any) -> str | None:
+    """The engine's speculative decoding method (``ngram``, ``eagle``, ...), None without."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return None if spec is None else str(getattr(spec, "method", None) or "draft model")
+
+
 def model_dtype(vllm_config: Any) -> Any:
     """The dtype of the model's activations (``model_config.dtype``)."""
     return getattr(getattr(vllm_config, "model_config", None), "dtype", None)
