@@ -4,6 +4,10 @@ tensors) all equal eager PyTorch's in-place statement, NaN and inf rows included
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -161,3 +165,78 @@ def test_a_gpu_lane_runs_the_fused_kernel_inside_a_cuda_graph():
         assert torch.equal(static[1].view(torch.int16), xs[1].view(torch.int16))  # (no slots: untouched)
     finally:
         lanes.reset()
+
+
+def _guard_against_torch_ops(dtype: torch.dtype, device: str) -> None:
+    """The logits guard's kernel makes rows finite as ``torch.nan_to_num(x,
+    neginf=-inf)`` does, bit for bit (NaN, +inf, -inf kept as a mask, large finite
+    values), over rows of 2500 values (three blocks of columns, the last partly outside
+    the row), for every row or for a subset (rows outside it untouched), and flags the
+    rows that held NaN or +inf."""
+    from vllm_nnsight_plugin.engine import guard_kernel
+
+    inf, nan = float("inf"), float("nan")
+    x = torch.randn(6, 2500, generator=torch.Generator().manual_seed(2))
+    x[1, 7], x[2, 2499], x[3, 1024], x[4, 0], x[4, 2048], x[5, 100] = nan, inf, -inf, nan, inf, 6e4
+    x[0, :5] = -inf
+    x = x.to(dtype=dtype, device=device)
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    pinned = device == "cuda"
+    assert guard_kernel.takes(x) and not guard_kernel.takes(x[:, :100])
+    whole, flags = x.clone(), torch.full((6,), 9, dtype=torch.uint8, pin_memory=pinned)
+    guard_kernel.launch(whole, None, flags)
+    if pinned:
+        torch.cuda.synchronize()
+    assert torch.equal(whole.view(bits), torch.nan_to_num(x, neginf=-inf).view(bits))
+    assert flags.tolist() == [0, 1, 1, 0, 1, 0]
+    part, flags = x.clone(), torch.full((6,), 9, dtype=torch.uint8, pin_memory=pinned)
+    guard_kernel.launch(part, torch.tensor([4, 0, 2], device=device), flags)
+    if pinned:
+        torch.cuda.synchronize()
+    expected = x.clone()
+    expected[[4, 0, 2]] = torch.nan_to_num(x[[4, 0, 2]], neginf=-inf)
+    assert torch.equal(part.view(bits), expected.view(bits))
+    assert torch.equal(part[[1, 3, 5]].view(bits), x[[1, 3, 5]].view(bits))  # (not guarded: as they were)
+    assert flags.tolist() == [1, 0, 1, 9, 9, 9]  # (flags past the guarded rows: not written)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_guard_kernel_equals_nan_to_num(dtype):
+    # Triton's interpreter, in a process of its own: the kernel's reductions are
+    # Triton's own jitted functions, which run interpreted only when TRITON_INTERPRET
+    # is set before Triton is imported
+    pytest.importorskip("triton")
+    code = ("import sys, torch; sys.path.insert(0, 'tests'); import test_arith; "
+            f"test_arith._guard_against_torch_ops(torch.{dtype}, 'cpu'); print('OK')")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the kernel compiled for the GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_guard_kernel_equals_nan_to_num_on_cuda(dtype):
+    _guard_against_torch_ops(dtype, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the guard's fused path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_guard_on_a_gpu_takes_its_kernel_and_names_the_same_rows(dtype):
+    """On a GPU the guard runs its one kernel, its flags land in pinned memory the
+    device wrote, and it names the rows the torch ops name."""
+    from vllm_nnsight_plugin.engine import finite_logits, guard_kernel
+
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, nan, 0.0], [-inf, 0.5, -inf], [inf, 0.0, 1.0]], dtype=dtype)
+    logits = torch.cat([logits, torch.zeros(4, 29)], dim=1).to(dtype).cuda()
+    assert guard_kernel.usable(logits.device, dtype)
+    guard = finite_logits.FiniteLogits()
+    whole = logits.clone()
+    assert guard.check(whole, None, ["a", "b", "c", "d"]) == []
+    assert guard._pending[0][1].host.dtype == torch.uint8  # (the kernel's flags, not maxima)
+    assert guard.detach()() == ["b", "d"]
+    assert torch.equal(whole, torch.nan_to_num(logits, neginf=-inf))
+    part = logits.clone()
+    guard.check(part, torch.tensor([1, 2], device="cuda"), ["b", "c"])
+    assert guard.detach()() == ["b"] and torch.isinf(part[3, 0]) and torch.isfinite(part[1]).all()

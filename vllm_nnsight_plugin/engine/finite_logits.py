@@ -29,9 +29,11 @@ class FiniteLogits:
 
     A row is bad when its maximum is NaN or +inf (the maximum propagates NaN): one
     reduction and one in-place pass per step, whatever the batch; the maxima cross to
-    the host and are compared there. The engine core's step loop is CPU-bound, so each
-    torch call counts: pinned buffers and their events are reused (no allocation per
-    step) and the landed maxima are read through numpy views."""
+    the host and are compared there. On a GPU one Triton kernel does all of it
+    (:mod:`.guard_kernel`) and writes each row's flag straight into the pinned buffer.
+    The engine core's step loop is CPU-bound, so each host call counts: pinned buffers
+    and their events are reused (no allocation per step) and the landed maxima or flags
+    are read through numpy views."""
 
     def __init__(self) -> None:
         self._pending: list[tuple[list[str], _Buffer]] = []  # this step's, until detached
@@ -45,6 +47,14 @@ class FiniteLogits:
         return none and keep the check for :meth:`detach`. Not ``report``: only make
         them finite (a tensor-parallel rank whose outputs vLLM never reads)."""
         if not req_ids:
+            return []
+        if report and logits.device.type == "cuda" and self._fused(logits):
+            from . import guard_kernel
+
+            buffer = self._buffer(len(req_ids), torch.uint8)  # (the rows' flags, written by the device)
+            guard_kernel.launch(logits, index, buffer.host)
+            buffer.event.record()
+            self._pending.append((req_ids, buffer))
             return []
         part = logits if index is None else logits.index_select(0, index)
         # (-inf is a mask some models' logits carry: kept, and not an error)
@@ -63,6 +73,14 @@ class FiniteLogits:
         buffer.event.record()
         self._pending.append((req_ids, buffer))
         return []
+
+    @staticmethod
+    def _fused(logits: torch.Tensor) -> bool:
+        """Whether the guard's one Triton kernel (:mod:`.guard_kernel`) takes these logits
+        on this device (tried once per device and dtype)."""
+        from . import guard_kernel
+
+        return guard_kernel.takes(logits) and guard_kernel.usable(logits.device, logits.dtype)
 
     def _buffer(self, rows: int, dtype: torch.dtype) -> _Buffer:
         """A landed buffer that holds ``rows`` (one of just that size first, as a batch of
@@ -110,9 +128,10 @@ class FiniteLogits:
 
 
 def host_view(host: torch.Tensor) -> np.ndarray | None:
-    """The numpy view a buffer's maxima are read through, without torch: floats as they
-    are, bfloat16 (which numpy lacks) as its bits (uint16); None for other dtypes."""
-    if host.dtype in (torch.float32, torch.float16, torch.float64):
+    """The numpy view a buffer's maxima (or the fused kernel's flags, uint8) are read
+    through, without torch: floats as they are, bfloat16 (which numpy lacks) as its bits
+    (uint16); None for other dtypes."""
+    if host.dtype in (torch.float32, torch.float16, torch.float64, torch.uint8):
         return host.numpy()
     if host.dtype == torch.bfloat16:
         return host.view(torch.int16).numpy().view(np.uint16)
@@ -133,8 +152,11 @@ class _Buffer(NamedTuple):
 
 def _bad(req_ids: list[str], maxima: np.ndarray) -> list[str]:
     """The requests whose row maximum is NaN or +inf (bfloat16 bits: an all-ones
-    exponent is NaN or an infinity; -inf, a mask, is finite here)."""
-    if maxima.dtype == np.uint16:
+    exponent is NaN or an infinity; -inf, a mask, is finite here), or whose flag is set
+    (uint8: the fused kernel's)."""
+    if maxima.dtype == np.uint8:
+        finite = maxima == 0
+    elif maxima.dtype == np.uint16:
         finite = ((maxima & 0x7F80) != 0x7F80) | (maxima == 0xFF80)
     else:
         finite = maxima < np.inf  # (NaN compares false)

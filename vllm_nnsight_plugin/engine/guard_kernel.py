@@ -1,0 +1,107 @@
+"""The logits guard's work in one Triton kernel (:mod:`.finite_logits`).
+
+As torch ops, each step the guard takes the rows' maxima, makes the rows finite in
+place and copies the maxima to the host: three host calls (five for a subset of the
+rows: their gather and scatter too) on the engine core's CPU-bound step loop, about
+14 ms of a steering batch's 1.08 s on an H100 (``benchmarks/gpu/README.md``, "Where
+the time goes"). This kernel does it in one launch: a program per guarded row scans
+the row in blocks; a block that holds NaN or +inf is made finite as
+``torch.nan_to_num(x, neginf=-inf)`` makes it (NaN to 0, +inf to the dtype's largest
+value, -inf kept: a mask) and written back; other blocks are never written. The row's
+flag (1: it was not finite) goes straight into the step's pinned host buffer, which
+the device addresses directly, so no copy follows.
+
+Compiled on first use for the logits' dtype; a GPU or build where the kernel cannot
+run, or a buffer the device cannot address, leaves the guard on its torch ops
+(:func:`usable` tries both once).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+
+try:  # (CUDA builds of torch bring Triton)
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - missing or broken: the guard runs as torch ops
+    triton = tl = None
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BLOCK = 1024
+logger = logging.getLogger("vllm.nnsight_plugin")
+
+
+def _guard(logits_ptr, index_ptr, flags_ptr, VOCAB: tl.constexpr, INDEXED: tl.constexpr,
+           BIG: tl.constexpr, BLOCK: tl.constexpr):
+    """Program i: row ``index[i]`` (``i`` when not INDEXED) made finite, its flag at ``flags[i]``."""
+    i = tl.program_id(0)
+    if INDEXED:
+        row = tl.load(index_ptr + i).to(tl.int64)
+    else:
+        row = i.to(tl.int64)
+    base = logits_ptr + row * VOCAB
+    bad = 0
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < VOCAB
+        x = tl.load(base + cols, mask=inside, other=0.0)
+        nan = x != x
+        posinf = x == float("inf")
+        if tl.sum((nan | posinf).to(tl.int32), axis=0) > 0:
+            fixed = tl.where(nan, 0.0, tl.where(posinf, BIG, x.to(tl.float32)))
+            tl.store(base + cols, fixed.to(x.dtype), mask=inside)
+            bad = 1
+    tl.store(flags_ptr + i, bad.to(tl.uint8))
+
+
+@functools.cache
+def _kernel(interpret: bool) -> Any:
+    """The jitted kernel (``interpret``: Triton's CPU interpreter, which tests use; the
+    flag is read when the kernel is jitted), or None without Triton."""
+    return None if triton is None else triton.jit(_guard)
+
+
+def kernel() -> Any:
+    return _kernel(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def takes(logits: torch.Tensor) -> bool:
+    """Whether the kernel can guard ``logits`` (rows of a float type it knows, each row
+    contiguous)."""
+    return logits.dim() == 2 and logits.dtype in DTYPES and logits.stride(1) == 1 \
+        and logits.stride(0) == logits.shape[1]
+
+
+def launch(logits: torch.Tensor, index: torch.Tensor | None, flags: torch.Tensor) -> None:
+    """Make the rows at ``index`` (None: every row) finite in place; ``flags[i]`` = 1
+    where the i-th guarded row was not (uint8; pinned host memory or device memory)."""
+    rows = logits.shape[0] if index is None else index.shape[0]
+    if not rows:
+        return
+    kernel()[(rows,)](logits, logits if index is None else index, flags, VOCAB=logits.shape[1],
+                      INDEXED=index is not None, BIG=torch.finfo(logits.dtype).max, BLOCK=BLOCK)
+
+
+@functools.cache
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs on this device for this dtype and writes its flags into
+    pinned host memory: tried once on a scratch row (a NaN, an inf) against the torch
+    ops, outside any CUDA-graph capture (the guard runs outside graphs)."""
+    try:
+        if kernel() is None or dtype not in DTYPES:
+            return False
+        row = torch.tensor([[1.0, float("nan"), float("inf"), float("-inf")] * 3], dtype=dtype, device=device)
+        flags = torch.zeros(2, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        expected = torch.nan_to_num(row, neginf=float("-inf"))
+        launch(row, None, flags)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return bool(flags[0] == 1) and torch.equal(row, expected)
+    except Exception:  # noqa: BLE001 - a GPU or build where Triton cannot run it: the torch ops do
+        logger.warning("the logits guard's Triton kernel failed; the guard runs as torch ops", exc_info=True)
+        return False
