@@ -91,17 +91,21 @@ def launch(logits: torch.Tensor, index: torch.Tensor | None, flags: torch.Tensor
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernel runs on this device for this dtype and writes its flags into
     pinned host memory: tried once on a scratch row (a NaN, an inf) against the torch
-    ops, outside any CUDA-graph capture (the guard runs outside graphs)."""
+    ops, every row and through an index (so both builds exist before a step needs
+    them), outside any CUDA-graph capture (the guard runs outside graphs)."""
     try:
         if kernel() is None or dtype not in DTYPES:
             return False
-        row = torch.tensor([[1.0, float("nan"), float("inf"), float("-inf")] * 3], dtype=dtype, device=device)
-        flags = torch.zeros(2, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        expected = torch.nan_to_num(row, neginf=float("-inf"))
-        launch(row, None, flags)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return bool(flags[0] == 1) and torch.equal(row, expected)
+        ok = True
+        for index in (None, torch.zeros(1, dtype=torch.long, device=device)):
+            row = torch.tensor([[1.0, float("nan"), float("inf"), float("-inf")] * 3], dtype=dtype, device=device)
+            flags = torch.zeros(2, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            expected = torch.nan_to_num(row, neginf=float("-inf"))
+            launch(row, index, flags)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            ok = ok and bool(flags[0] == 1) and torch.equal(row, expected)
+        return ok
     except Exception:  # noqa: BLE001 - a GPU or build where Triton cannot run it: the torch ops do
         logger.warning("the logits guard's Triton kernel failed; the guard runs as torch ops", exc_info=True)
         return False
