@@ -176,28 +176,38 @@ def _guard_against_torch_ops(dtype: torch.dtype, device: str) -> None:
     from vllm_nnsight_plugin.engine import guard_kernel
 
     inf, nan = float("inf"), float("nan")
-    x = torch.randn(6, 2500, generator=torch.Generator().manual_seed(2))
+    padded = torch.randn(6, 2560, generator=torch.Generator().manual_seed(2))
+    padded[:, 2500:] = nan  # (past the vocabulary: never read, never written)
+    x = padded[:, :2500]
     x[1, 7], x[2, 2499], x[3, 1024], x[4, 0], x[4, 2048], x[5, 100] = nan, inf, -inf, nan, inf, 6e4
+    x[1, 8], x[1, 9], x[1, 10] = -0.0, -nan, 1e-40  # (kept bit for bit in a block that is fixed)
     x[0, :5] = -inf
-    x = x.to(dtype=dtype, device=device)
+    padded = padded.to(dtype=dtype, device=device)
+    x = padded[:, :2500]  # (rows of a padded vocabulary, as vLLM slices them: strided)
     bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
     pinned = device == "cuda"
-    assert guard_kernel.takes(x) and not guard_kernel.takes(x[:, :100])
-    whole, flags = x.clone(), torch.full((6,), 9, dtype=torch.uint8, pin_memory=pinned)
-    guard_kernel.launch(whole, None, flags)
-    if pinned:
-        torch.cuda.synchronize()
+    assert guard_kernel.takes(x) and not guard_kernel.takes(x[:, ::2]) and not guard_kernel.takes(x.int())
+
+    def guarded(index: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+        out = padded.clone()
+        flags = torch.full((6,), 9, dtype=torch.uint8, pin_memory=pinned)
+        guard_kernel.launch(out[:, :2500], index, flags)
+        if pinned:
+            torch.cuda.synchronize()
+        assert torch.isnan(out[:, 2500:]).all()  # (the padding: untouched)
+        return out[:, :2500], flags.tolist()
+
+    whole, flags = guarded(None)
     assert torch.equal(whole.view(bits), torch.nan_to_num(x, neginf=-inf).view(bits))
-    assert flags.tolist() == [0, 1, 1, 0, 1, 0]
-    part, flags = x.clone(), torch.full((6,), 9, dtype=torch.uint8, pin_memory=pinned)
-    guard_kernel.launch(part, torch.tensor([4, 0, 2], device=device), flags)
-    if pinned:
-        torch.cuda.synchronize()
+    assert flags == [0, 1, 1, 0, 1, 0]
+    part, flags = guarded(torch.tensor([4, 0, 2], device=device))
     expected = x.clone()
     expected[[4, 0, 2]] = torch.nan_to_num(x[[4, 0, 2]], neginf=-inf)
     assert torch.equal(part.view(bits), expected.view(bits))
     assert torch.equal(part[[1, 3, 5]].view(bits), x[[1, 3, 5]].view(bits))  # (not guarded: as they were)
-    assert flags.tolist() == [1, 0, 1, 9, 9, 9]  # (flags past the guarded rows: not written)
+    assert flags == [1, 0, 1, 9, 9, 9]  # (flags past the guarded rows: not written)
+    with pytest.raises(ValueError, match="need as many uint8 flags"):
+        guard_kernel.launch(x.clone(), None, torch.zeros(5, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -230,7 +240,7 @@ def test_the_guard_on_a_gpu_takes_its_kernel_and_names_the_same_rows(dtype):
     inf, nan = float("inf"), float("nan")
     logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, nan, 0.0], [-inf, 0.5, -inf], [inf, 0.0, 1.0]], dtype=dtype)
     logits = torch.cat([logits, torch.zeros(4, 29)], dim=1).to(dtype).cuda()
-    assert guard_kernel.usable(logits.device, dtype)
+    assert guard_kernel.usable(logits.device, dtype, logits.shape[1])
     guard = finite_logits.FiniteLogits()
     whole = logits.clone()
     assert guard.check(whole, None, ["a", "b", "c", "d"]) == []

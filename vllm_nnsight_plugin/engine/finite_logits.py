@@ -4,7 +4,8 @@ A traced request whose logits hold NaN or +inf ends with a per-request error nam
 the step. Its rows are made finite before sampling (a sampler fed NaN can fail for
 the whole batch). On a GPU each step's check is read where vLLM takes that step's
 output: vLLM has waited for the step's sampled tokens there, which the check's copy
-precedes on the stream, so the CPU never waits for it, and the error rides the very
+(or the guard kernel's write of its flags) precedes on the stream, so the CPU never
+waits for it, and the error rides the very
 output of the step that found it, however the request ends (a stop token too).
 (KV blocks a traced request held are zeroed before reuse: ``boundary/kv_blocks.py``.)
 """
@@ -39,6 +40,10 @@ class FiniteLogits:
         self._pending: list[tuple[list[str], _Buffer]] = []  # this step's, until detached
         self._spare: deque[_Buffer] = deque(maxlen=8)  # (the oldest size goes first)
         self._read: deque[_Buffer] = deque()  # read by a detached check (another thread): spare again
+        # the flag buffers of the last launches of the guard kernel, kept alive even when a
+        # detached check is dropped unread: torch's pinned allocator, which would hand a
+        # freed buffer out again, does not know that a kernel still writes it
+        self._written: deque[torch.Tensor] = deque(maxlen=64)
 
     def check(self, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str],
               report: bool = True) -> list[str]:
@@ -48,12 +53,15 @@ class FiniteLogits:
         them finite (a tensor-parallel rank whose outputs vLLM never reads)."""
         if not req_ids:
             return []
-        if report and logits.device.type == "cuda" and self._fused(logits):
+        rows = len(req_ids)
+        if report and logits.device.type == "cuda" and rows == (logits.shape[0] if index is None else
+                                                               index.shape[0]) and self._fused(logits):
             from . import guard_kernel
 
-            buffer = self._buffer(len(req_ids), torch.uint8)  # (the rows' flags, written by the device)
+            buffer = self._buffer(rows, torch.uint8)  # (the rows' flags, written by the device)
             guard_kernel.launch(logits, index, buffer.host)
             buffer.event.record()
+            self._written.append(buffer.host)
             self._pending.append((req_ids, buffer))
             return []
         part = logits if index is None else logits.index_select(0, index)
@@ -67,7 +75,6 @@ class FiniteLogits:
             return []
         if maxima.device.type != "cuda":
             return _bad(req_ids, maxima.float().numpy())
-        rows = len(req_ids)
         buffer = self._buffer(rows, maxima.dtype)
         (buffer.host if buffer.host.shape[0] == rows else buffer.host[:rows]).copy_(maxima, non_blocking=True)
         buffer.event.record()
@@ -80,7 +87,7 @@ class FiniteLogits:
         on this device (tried once per device and dtype)."""
         from . import guard_kernel
 
-        return guard_kernel.takes(logits) and guard_kernel.usable(logits.device, logits.dtype)
+        return guard_kernel.takes(logits) and guard_kernel.usable(logits.device, logits.dtype, logits.shape[1])
 
     def _buffer(self, rows: int, dtype: torch.dtype) -> _Buffer:
         """A landed buffer that holds ``rows`` (one of just that size first, as a batch of
@@ -139,8 +146,8 @@ def host_view(host: torch.Tensor) -> np.ndarray | None:
 
 
 class _Buffer(NamedTuple):
-    """A pinned buffer of one step's row maxima, its numpy view (:func:`host_view`) and
-    the event that says its copy has landed."""
+    """A pinned buffer of one step's row maxima (or the guard kernel's row flags), its
+    numpy view (:func:`host_view`) and the event that says they have landed."""
 
     host: torch.Tensor
     maxima: np.ndarray | None

@@ -11,13 +11,15 @@ value, -inf kept: a mask) and written back; other blocks are never written. The 
 flag (1: it was not finite) goes straight into the step's pinned host buffer, which
 the device addresses directly, so no copy follows.
 
-Compiled on first use for the logits' dtype; a GPU or build where the kernel cannot
-run, or a buffer the device cannot address, leaves the guard on its torch ops
-(:func:`usable` tries both once).
+Built per dtype, vocabulary width and variant (every row, or rows through an index)
+the first time a guard meets them (:func:`usable`, which also tries them once); a GPU or
+build where the kernel cannot run, or a buffer the device cannot address, leaves the
+guard on its torch ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -36,7 +38,7 @@ BLOCK = 1024
 logger = logging.getLogger("vllm.nnsight_plugin")
 
 
-def _guard(logits_ptr, index_ptr, flags_ptr, VOCAB: tl.constexpr, INDEXED: tl.constexpr,
+def _guard(logits_ptr, index_ptr, flags_ptr, row_stride, VOCAB: tl.constexpr, INDEXED: tl.constexpr,
            BIG: tl.constexpr, BLOCK: tl.constexpr):
     """Program i: row ``index[i]`` (``i`` when not INDEXED) made finite, its flag at ``flags[i]``."""
     i = tl.program_id(0)
@@ -44,7 +46,7 @@ def _guard(logits_ptr, index_ptr, flags_ptr, VOCAB: tl.constexpr, INDEXED: tl.co
         row = tl.load(index_ptr + i).to(tl.int64)
     else:
         row = i.to(tl.int64)
-    base = logits_ptr + row * VOCAB
+    base = logits_ptr + row * row_stride
     bad = 0
     for start in range(0, VOCAB, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -71,40 +73,48 @@ def kernel() -> Any:
 
 
 def takes(logits: torch.Tensor) -> bool:
-    """Whether the kernel can guard ``logits`` (rows of a float type it knows, each row
-    contiguous)."""
-    return logits.dim() == 2 and logits.dtype in DTYPES and logits.stride(1) == 1 \
-        and logits.stride(0) == logits.shape[1]
+    """Whether the kernel can guard ``logits``: rows of a float type it knows, each row
+    contiguous (rows may be strided: vLLM slices a padded vocabulary off)."""
+    return logits.dim() == 2 and logits.dtype in DTYPES and logits.stride(1) == 1
 
 
 def launch(logits: torch.Tensor, index: torch.Tensor | None, flags: torch.Tensor) -> None:
     """Make the rows at ``index`` (None: every row) finite in place; ``flags[i]`` = 1
-    where the i-th guarded row was not (uint8; pinned host memory or device memory)."""
+    where the i-th guarded row was not, else 0 (uint8; pinned host memory or device
+    memory, at least one per guarded row)."""
     rows = logits.shape[0] if index is None else index.shape[0]
+    if flags.dtype != torch.uint8 or flags.numel() < rows:
+        raise ValueError(f"{rows} guarded rows need as many uint8 flags (got {flags.numel()} {flags.dtype})")
     if not rows:
         return
-    kernel()[(rows,)](logits, logits if index is None else index, flags, VOCAB=logits.shape[1],
-                      INDEXED=index is not None, BIG=torch.finfo(logits.dtype).max, BLOCK=BLOCK)
+    kernel()[(rows,)](logits, logits if index is None else index, flags, logits.stride(0),
+                      VOCAB=logits.shape[1], INDEXED=index is not None, BIG=torch.finfo(logits.dtype).max,
+                      BLOCK=BLOCK)
 
 
 @functools.cache
-def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernel runs on this device for this dtype and writes its flags into
-    pinned host memory: tried once on a scratch row (a NaN, an inf) against the torch
-    ops, every row and through an index (so both builds exist before a step needs
-    them), outside any CUDA-graph capture (the guard runs outside graphs)."""
+def usable(device: torch.device, dtype: torch.dtype, vocab: int) -> bool:
+    """Whether the kernel runs on this device for rows of ``vocab`` values of this dtype
+    and writes its flags into pinned host memory: tried once on a scratch row of that
+    width (a NaN, an inf) against the torch ops, every row and through an index, so
+    the builds a step launches exist before it needs them (a build is per dtype,
+    width and variant); outside any CUDA-graph capture (the guard runs outside
+    graphs)."""
     try:
-        if kernel() is None or dtype not in DTYPES:
+        if kernel() is None or dtype not in DTYPES or vocab < 4:
             return False
-        ok = True
-        for index in (None, torch.zeros(1, dtype=torch.long, device=device)):
-            row = torch.tensor([[1.0, float("nan"), float("inf"), float("-inf")] * 3], dtype=dtype, device=device)
-            flags = torch.zeros(2, dtype=torch.uint8, pin_memory=device.type == "cuda")
-            expected = torch.nan_to_num(row, neginf=float("-inf"))
-            launch(row, index, flags)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            ok = ok and bool(flags[0] == 1) and torch.equal(row, expected)
+        cuda = device.type == "cuda"
+        with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+            ok = True
+            for index in (None, torch.zeros(1, dtype=torch.long, device=device)):
+                row = torch.zeros((1, vocab), dtype=dtype, device=device)
+                row[0, :4] = torch.tensor([1.0, float("nan"), float("inf"), float("-inf")])
+                flags = torch.zeros(2, dtype=torch.uint8, pin_memory=cuda)
+                expected = torch.nan_to_num(row, neginf=float("-inf"))
+                launch(row, index, flags)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                ok = ok and bool(flags[0] == 1) and torch.equal(row, expected)
         return ok
     except Exception:  # noqa: BLE001 - a GPU or build where Triton cannot run it: the torch ops do
         logger.warning("the logits guard's Triton kernel failed; the guard runs as torch ops", exc_info=True)
