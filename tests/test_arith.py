@@ -170,20 +170,20 @@ def test_a_gpu_lane_runs_the_fused_kernel_inside_a_cuda_graph():
 def _guard_against_torch_ops(dtype: torch.dtype, device: str) -> None:
     """The logits guard's kernel makes rows finite as ``torch.nan_to_num(x,
     neginf=-inf)`` does, bit for bit (NaN, +inf, -inf kept as a mask, large finite
-    values), over rows of 2500 values (three blocks of columns, the last partly outside
+    values), over rows of 9000 values (three blocks of columns, the last partly outside
     the row), for every row or for a subset (rows outside it untouched), and flags the
     rows that held NaN or +inf."""
     from vllm_nnsight_plugin.engine import guard_kernel
 
     inf, nan = float("inf"), float("nan")
-    padded = torch.randn(6, 2560, generator=torch.Generator().manual_seed(2))
-    padded[:, 2500:] = nan  # (past the vocabulary: never read, never written)
-    x = padded[:, :2500]
-    x[1, 7], x[2, 2499], x[3, 1024], x[4, 0], x[4, 2048], x[5, 100] = nan, inf, -inf, nan, inf, 6e4
+    padded = torch.randn(6, 9064, generator=torch.Generator().manual_seed(2))
+    padded[:, 9000:] = nan  # (past the vocabulary: never read, never written)
+    x = padded[:, :9000]
+    x[1, 7], x[2, 8999], x[3, 4096], x[4, 0], x[4, 8200], x[5, 100] = nan, inf, -inf, nan, inf, 6e4
     x[1, 8], x[1, 9], x[1, 10] = -0.0, -nan, 1e-40  # (kept bit for bit in a block that is fixed)
     x[0, :5] = -inf
     padded = padded.to(dtype=dtype, device=device)
-    x = padded[:, :2500]  # (rows of a padded vocabulary, as vLLM slices them: strided)
+    x = padded[:, :9000]  # (rows of a padded vocabulary, as vLLM slices them: strided)
     bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
     pinned = device == "cuda"
     assert guard_kernel.takes(x) and not guard_kernel.takes(x[:, ::2]) and not guard_kernel.takes(x.int())
@@ -191,11 +191,11 @@ def _guard_against_torch_ops(dtype: torch.dtype, device: str) -> None:
     def guarded(index: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
         out = padded.clone()
         flags = torch.full((6,), 9, dtype=torch.uint8, pin_memory=pinned)
-        guard_kernel.launch(out[:, :2500], index, flags)
+        guard_kernel.launch(out[:, :9000], index, flags)
         if pinned:
             torch.cuda.synchronize()
-        assert torch.isnan(out[:, 2500:]).all()  # (the padding: untouched)
-        return out[:, :2500], flags.tolist()
+        assert torch.isnan(out[:, 9000:]).all()  # (the padding: untouched)
+        return out[:, :9000], flags.tolist()
 
     whole, flags = guarded(None)
     assert torch.equal(whole.view(bits), torch.nan_to_num(x, neginf=-inf).view(bits))

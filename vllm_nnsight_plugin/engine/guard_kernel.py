@@ -34,7 +34,8 @@ except Exception:  # noqa: BLE001 - missing or broken: the guard runs as torch o
     triton = tl = None
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BLOCK = 1024
+BLOCK = 4096  # columns per pass (8 passes for a 32000-token vocabulary), over 8 warps
+WARPS = 8
 logger = logging.getLogger("vllm.nnsight_plugin")
 
 
@@ -89,7 +90,7 @@ def launch(logits: torch.Tensor, index: torch.Tensor | None, flags: torch.Tensor
         return
     kernel()[(rows,)](logits, logits if index is None else index, flags, logits.stride(0),
                       VOCAB=logits.shape[1], INDEXED=index is not None, BIG=torch.finfo(logits.dtype).max,
-                      BLOCK=BLOCK)
+                      BLOCK=BLOCK, num_warps=WARPS)
 
 
 @functools.cache
