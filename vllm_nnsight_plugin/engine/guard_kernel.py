@@ -22,16 +22,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
-from typing import Any
 
 import torch
 
-try:  # (CUDA builds of torch bring Triton)
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - missing or broken: the guard runs as torch ops
-    triton = tl = None
+from .triton_jit import jitted, tl
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 4096  # columns per pass (8 passes for a 32000-token vocabulary), over 8 warps
@@ -62,15 +56,7 @@ def _guard(logits_ptr, index_ptr, flags_ptr, row_stride, VOCAB: tl.constexpr, IN
     tl.store(flags_ptr + i, bad.to(tl.uint8))
 
 
-@functools.cache
-def _kernel(interpret: bool) -> Any:
-    """The jitted kernel (``interpret``: Triton's CPU interpreter, which tests use; the
-    flag is read when the kernel is jitted), or None without Triton."""
-    return None if triton is None else triton.jit(_guard)
-
-
-def kernel() -> Any:
-    return _kernel(os.environ.get("TRITON_INTERPRET") == "1")
+kernel = jitted(_guard)  # (the kernel for this process: see triton_jit)
 
 
 def takes(logits: torch.Tensor) -> bool:
