@@ -4,6 +4,10 @@ tensors) all equal eager PyTorch's in-place statement, NaN and inf rows included
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -161,3 +165,88 @@ def test_a_gpu_lane_runs_the_fused_kernel_inside_a_cuda_graph():
         assert torch.equal(static[1].view(torch.int16), xs[1].view(torch.int16))  # (no slots: untouched)
     finally:
         lanes.reset()
+
+
+def _guard_against_torch_ops(dtype: torch.dtype, device: str) -> None:
+    """The logits guard's kernel makes rows finite as ``torch.nan_to_num(x,
+    neginf=-inf)`` does, bit for bit (NaN, +inf, -inf kept as a mask, large finite
+    values), over rows of 9000 values (three blocks of columns, the last partly outside
+    the row), for every row or for a subset (rows outside it untouched), and flags the
+    rows that held NaN or +inf."""
+    from vllm_nnsight_plugin.engine import guard_kernel
+
+    inf, nan = float("inf"), float("nan")
+    padded = torch.randn(6, 9064, generator=torch.Generator().manual_seed(2))
+    padded[:, 9000:] = nan  # (past the vocabulary: never read, never written)
+    x = padded[:, :9000]
+    x[1, 7], x[2, 8999], x[3, 4096], x[4, 0], x[4, 8200], x[5, 100] = nan, inf, -inf, nan, inf, 6e4
+    x[1, 8], x[1, 9], x[1, 10] = -0.0, -nan, 1e-40  # (kept bit for bit in a block that is fixed)
+    x[0, :5] = -inf
+    padded = padded.to(dtype=dtype, device=device)
+    x = padded[:, :9000]  # (rows of a padded vocabulary, as vLLM slices them: strided)
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    pinned = device == "cuda"
+    assert guard_kernel.takes(x) and not guard_kernel.takes(x[:, ::2]) and not guard_kernel.takes(x.int())
+
+    def guarded(index: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+        out = padded.clone()
+        flags = torch.full((6,), 9, dtype=torch.uint8, pin_memory=pinned)
+        guard_kernel.launch(out[:, :9000], index, flags)
+        if pinned:
+            torch.cuda.synchronize()
+        assert torch.isnan(out[:, 9000:]).all()  # (the padding: untouched)
+        return out[:, :9000], flags.tolist()
+
+    whole, flags = guarded(None)
+    assert torch.equal(whole.view(bits), torch.nan_to_num(x, neginf=-inf).view(bits))
+    assert flags == [0, 1, 1, 0, 1, 0]
+    part, flags = guarded(torch.tensor([4, 0, 2], device=device))
+    expected = x.clone()
+    expected[[4, 0, 2]] = torch.nan_to_num(x[[4, 0, 2]], neginf=-inf)
+    assert torch.equal(part.view(bits), expected.view(bits))
+    assert torch.equal(part[[1, 3, 5]].view(bits), x[[1, 3, 5]].view(bits))  # (not guarded: as they were)
+    assert flags == [1, 0, 1, 9, 9, 9]  # (flags past the guarded rows: not written)
+    with pytest.raises(ValueError, match="need as many uint8 flags"):
+        guard_kernel.launch(x.clone(), None, torch.zeros(5, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_guard_kernel_equals_nan_to_num(dtype):
+    # Triton's interpreter, in a process of its own: the kernel's reductions are
+    # Triton's own jitted functions, which run interpreted only when TRITON_INTERPRET
+    # is set before Triton is imported
+    pytest.importorskip("triton")
+    code = ("import sys, torch; sys.path.insert(0, 'tests'); import test_arith; "
+            f"test_arith._guard_against_torch_ops(torch.{dtype}, 'cpu'); print('OK')")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the kernel compiled for the GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_guard_kernel_equals_nan_to_num_on_cuda(dtype):
+    _guard_against_torch_ops(dtype, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the guard's fused path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_guard_on_a_gpu_takes_its_kernel_and_names_the_same_rows(dtype):
+    """On a GPU the guard runs its one kernel, its flags land in pinned memory the
+    device wrote, and it names the rows the torch ops name."""
+    from vllm_nnsight_plugin.engine import finite_logits, guard_kernel
+
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, nan, 0.0], [-inf, 0.5, -inf], [inf, 0.0, 1.0]], dtype=dtype)
+    logits = torch.cat([logits, torch.zeros(4, 29)], dim=1).to(dtype).cuda()
+    assert guard_kernel.usable(logits.device, dtype, logits.shape[1])
+    guard = finite_logits.FiniteLogits()
+    whole = logits.clone()
+    assert guard.check(whole, None, ["a", "b", "c", "d"]) == []
+    assert guard._pending[0][1].host.dtype == torch.uint8  # (the kernel's flags, not maxima)
+    assert guard.detach()() == ["b", "d"]
+    assert torch.equal(whole, torch.nan_to_num(logits, neginf=-inf))
+    part = logits.clone()
+    guard.check(part, torch.tensor([1, 2], device="cuda"), ["b", "c"])
+    assert guard.detach()() == ["b"] and torch.isinf(part[3, 0]) and torch.isfinite(part[1]).all()

@@ -4,7 +4,8 @@ A traced request whose logits hold NaN or +inf ends with a per-request error nam
 the step. Its rows are made finite before sampling (a sampler fed NaN can fail for
 the whole batch). On a GPU each step's check is read where vLLM takes that step's
 output: vLLM has waited for the step's sampled tokens there, which the check's copy
-precedes on the stream, so the CPU never waits for it, and the error rides the very
+(or the guard kernel's write of its flags) precedes on the stream, so the CPU never
+waits for it, and the error rides the very
 output of the step that found it, however the request ends (a stop token too).
 (KV blocks a traced request held are zeroed before reuse: ``boundary/kv_blocks.py``.)
 """
@@ -29,14 +30,20 @@ class FiniteLogits:
 
     A row is bad when its maximum is NaN or +inf (the maximum propagates NaN): one
     reduction and one in-place pass per step, whatever the batch; the maxima cross to
-    the host and are compared there. The engine core's step loop is CPU-bound, so each
-    torch call counts: pinned buffers and their events are reused (no allocation per
-    step) and the landed maxima are read through numpy views."""
+    the host and are compared there. On a GPU one Triton kernel does all of it
+    (:mod:`.guard_kernel`) and writes each row's flag straight into the pinned buffer.
+    The engine core's step loop is CPU-bound, so each host call counts: pinned buffers
+    and their events are reused (no allocation per step) and the landed maxima or flags
+    are read through numpy views."""
 
     def __init__(self) -> None:
         self._pending: list[tuple[list[str], _Buffer]] = []  # this step's, until detached
         self._spare: deque[_Buffer] = deque(maxlen=8)  # (the oldest size goes first)
         self._read: deque[_Buffer] = deque()  # read by a detached check (another thread): spare again
+        # the flag buffers of the last launches of the guard kernel, kept alive even when a
+        # detached check is dropped unread: torch's pinned allocator, which would hand a
+        # freed buffer out again, does not know that a kernel still writes it
+        self._written: deque[torch.Tensor] = deque(maxlen=64)
 
     def check(self, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str],
               report: bool = True) -> list[str]:
@@ -45,6 +52,17 @@ class FiniteLogits:
         return none and keep the check for :meth:`detach`. Not ``report``: only make
         them finite (a tensor-parallel rank whose outputs vLLM never reads)."""
         if not req_ids:
+            return []
+        rows = len(req_ids)
+        if report and logits.device.type == "cuda" and rows == (logits.shape[0] if index is None else
+                                                               index.shape[0]) and self._fused(logits):
+            from . import guard_kernel
+
+            buffer = self._buffer(rows, torch.uint8)  # (the rows' flags, written by the device)
+            guard_kernel.launch(logits, index, buffer.host)
+            buffer.event.record()
+            self._written.append(buffer.host)
+            self._pending.append((req_ids, buffer))
             return []
         part = logits if index is None else logits.index_select(0, index)
         # (-inf is a mask some models' logits carry: kept, and not an error)
@@ -57,12 +75,19 @@ class FiniteLogits:
             return []
         if maxima.device.type != "cuda":
             return _bad(req_ids, maxima.float().numpy())
-        rows = len(req_ids)
         buffer = self._buffer(rows, maxima.dtype)
         (buffer.host if buffer.host.shape[0] == rows else buffer.host[:rows]).copy_(maxima, non_blocking=True)
         buffer.event.record()
         self._pending.append((req_ids, buffer))
         return []
+
+    @staticmethod
+    def _fused(logits: torch.Tensor) -> bool:
+        """Whether the guard's one Triton kernel (:mod:`.guard_kernel`) takes these logits
+        on this device (tried once per device and dtype)."""
+        from . import guard_kernel
+
+        return guard_kernel.takes(logits) and guard_kernel.usable(logits.device, logits.dtype, logits.shape[1])
 
     def _buffer(self, rows: int, dtype: torch.dtype) -> _Buffer:
         """A landed buffer that holds ``rows`` (one of just that size first, as a batch of
@@ -110,9 +135,10 @@ class FiniteLogits:
 
 
 def host_view(host: torch.Tensor) -> np.ndarray | None:
-    """The numpy view a buffer's maxima are read through, without torch: floats as they
-    are, bfloat16 (which numpy lacks) as its bits (uint16); None for other dtypes."""
-    if host.dtype in (torch.float32, torch.float16, torch.float64):
+    """The numpy view a buffer's maxima (or the fused kernel's flags, uint8) are read
+    through, without torch: floats as they are, bfloat16 (which numpy lacks) as its bits
+    (uint16); None for other dtypes."""
+    if host.dtype in (torch.float32, torch.float16, torch.float64, torch.uint8):
         return host.numpy()
     if host.dtype == torch.bfloat16:
         return host.view(torch.int16).numpy().view(np.uint16)
@@ -120,8 +146,8 @@ def host_view(host: torch.Tensor) -> np.ndarray | None:
 
 
 class _Buffer(NamedTuple):
-    """A pinned buffer of one step's row maxima, its numpy view (:func:`host_view`) and
-    the event that says its copy has landed."""
+    """A pinned buffer of one step's row maxima (or the guard kernel's row flags), its
+    numpy view (:func:`host_view`) and the event that says they have landed."""
 
     host: torch.Tensor
     maxima: np.ndarray | None
@@ -133,8 +159,11 @@ class _Buffer(NamedTuple):
 
 def _bad(req_ids: list[str], maxima: np.ndarray) -> list[str]:
     """The requests whose row maximum is NaN or +inf (bfloat16 bits: an all-ones
-    exponent is NaN or an infinity; -inf, a mask, is finite here)."""
-    if maxima.dtype == np.uint16:
+    exponent is NaN or an infinity; -inf, a mask, is finite here), or whose flag is set
+    (uint8: the fused kernel's)."""
+    if maxima.dtype == np.uint8:
+        finite = maxima == 0
+    elif maxima.dtype == np.uint16:
         finite = ((maxima & 0x7F80) != 0x7F80) | (maxima == 0xFF80)
     else:
         finite = maxima < np.inf  # (NaN compares false)

@@ -23,22 +23,17 @@ take, the lane runs its torch ops.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from .triton_jit import jitted, tl, triton
 
 if TYPE_CHECKING:
     from .lanes import PartLane
 
-try:  # (CUDA builds of torch bring Triton)
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - missing or broken: the lanes run as torch ops
-    triton = tl = None
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 logger = logging.getLogger("vllm.nnsight_plugin")
@@ -64,16 +59,7 @@ def _lane(x_ptr, read_ptr, sel_ptr, mask_ptr, keep_ptr, scale_ptr, offset_ptr,
     tl.store(read_ptr + at, x, mask=inside)
 
 
-@functools.cache
-def _kernel(interpret: bool) -> Any:
-    """The jitted kernel (``interpret``: Triton's CPU interpreter, which tests use; the
-    flag is read when the kernel is jitted), or None without Triton."""
-    return None if triton is None else triton.jit(_lane)
-
-
-def kernel() -> Any:
-    """The kernel for this process (Triton's interpreter where ``TRITON_INTERPRET=1``)."""
-    return _kernel(os.environ.get("TRITON_INTERPRET") == "1")
+kernel = jitted(_lane)  # (the kernel for this process: see triton_jit)
 
 
 def takes(x: torch.Tensor) -> bool:
