@@ -250,3 +250,50 @@ def test_the_guard_on_a_gpu_takes_its_kernel_and_names_the_same_rows(dtype):
     part = logits.clone()
     guard.check(part, torch.tensor([1, 2], device="cuda"), ["b", "c"])
     assert guard.detach()() == ["b"] and torch.isinf(part[3, 0]) and torch.isfinite(part[1]).all()
+
+
+def test_the_guard_kernel_is_not_built_per_row_stride():
+    """vLLM guards ``logits[:, :vocab]`` of a padded vocabulary: the row stride differs
+    from the width :func:`usable` tries, and Triton would build a new variant for a
+    stride of another divisibility inside a live step (GPT-2: 50257 wide, 50304 apart)."""
+    pytest.importorskip("triton")
+    from vllm_nnsight_plugin.engine import guard_kernel
+
+    params = {p.name: p for p in guard_kernel.kernel().params}
+    assert params["row_stride"].do_not_specialize and not params["VOCAB"].do_not_specialize
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the kernel's builds")
+def test_a_padded_vocabulary_launches_the_build_usable_made():
+    from vllm_nnsight_plugin.engine import finite_logits, guard_kernel
+
+    padded = torch.zeros(4, 50304, dtype=torch.bfloat16, device="cuda")
+    logits = padded[:, :50257]
+    assert guard_kernel.usable(logits.device, logits.dtype, 50257)
+    builds = sum(len(cache[0]) for cache in guard_kernel.kernel().device_caches.values())
+    logits[2, 7] = float("nan")
+    guard = finite_logits.FiniteLogits()
+    guard.check(logits, None, ["a", "b", "c", "d"])
+    assert guard._pending[0][1].host.dtype == torch.uint8  # (the kernel ran)
+    assert guard.detach()() == ["c"]
+    assert sum(len(cache[0]) for cache in guard_kernel.kernel().device_caches.values()) == builds
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the guard's fused path")
+def test_a_failing_launch_leaves_the_guard_on_its_torch_ops(monkeypatch):
+    from vllm_nnsight_plugin.engine import finite_logits, guard_kernel
+
+    logits = torch.zeros(3, 40, dtype=torch.bfloat16, device="cuda")
+    logits[1, 3] = float("inf")
+    assert guard_kernel.usable(logits.device, logits.dtype, 40)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a build that fails")
+
+    monkeypatch.setattr(guard_kernel, "launch", broken)
+    monkeypatch.setattr(guard_kernel, "_given_up", set())
+    guard = finite_logits.FiniteLogits()
+    guard.check(logits, None, ["a", "b", "c"])
+    assert guard._pending[0][1].host.dtype == torch.bfloat16  # (the torch ops' maxima)
+    assert guard.detach()() == ["b"] and torch.isfinite(logits).all()
+    assert not guard_kernel.usable(logits.device, logits.dtype, 40)

@@ -12,6 +12,7 @@ output of the step that found it, however the request ends (a stop token too).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("vllm.nnsight_plugin")
 
 
 class FiniteLogits:
@@ -59,11 +62,18 @@ class FiniteLogits:
             from . import guard_kernel
 
             buffer = self._buffer(rows, torch.uint8)  # (the rows' flags, written by the device)
-            guard_kernel.launch(logits, index, buffer.host)
-            buffer.event.record()
-            self._written.append(buffer.host)
-            self._pending.append((req_ids, buffer))
-            return []
+            try:
+                guard_kernel.launch(logits, index, buffer.host)
+            except Exception:  # noqa: BLE001 - e.g. a build that fails: the torch ops below guard instead
+                logger.warning("the logits guard's Triton kernel failed; the guard runs as torch ops",
+                               exc_info=True)
+                guard_kernel.give_up(logits.device, logits.dtype, logits.shape[1])
+                self._written.append(buffer.host)  # (not reused: the launch may have reached the device)
+            else:
+                buffer.event.record()
+                self._written.append(buffer.host)
+                self._pending.append((req_ids, buffer))
+                return []
         part = logits if index is None else logits.index_select(0, index)
         # (-inf is a mask some models' logits carry: kept, and not an error)
         maxima = part.amax(dim=-1) if report else None

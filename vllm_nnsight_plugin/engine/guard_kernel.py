@@ -1,20 +1,22 @@
 """The logits guard's work in one Triton kernel (:mod:`.finite_logits`).
 
 As torch ops, each step the guard takes the rows' maxima, makes the rows finite in
-place and copies the maxima to the host: three host calls (five for a subset of the
-rows: their gather and scatter too) on the engine core's CPU-bound step loop, about
-14 ms of a steering batch's 1.08 s on an H100 (``benchmarks/gpu/README.md``, "Where
-the time goes"). This kernel does it in one launch: a program per guarded row scans
-the row in blocks; a block that holds NaN or +inf is made finite as
+place and copies the maxima to the host: three launches (five for a subset of the
+rows: their gather and scatter too). This kernel does it in one launch: a program per
+guarded row scans the row in blocks; a block that holds NaN or +inf is made finite as
 ``torch.nan_to_num(x, neginf=-inf)`` makes it (NaN to 0, +inf to the dtype's largest
 value, -inf kept: a mask) and written back; other blocks are never written. The row's
 flag (1: it was not finite) goes straight into the step's pinned host buffer, which
-the device addresses directly, so no copy follows.
+the device addresses directly, so no copy follows. Measured on an H100
+(``benchmarks/gpu/guard_bench.py``): less GPU time per step than the torch ops, and
+less host time where only some of a step's rows are guarded.
 
-Built per dtype, vocabulary width and variant (every row, or rows through an index)
-the first time a guard meets them (:func:`usable`, which also tries them once); a GPU or
-build where the kernel cannot run, or a buffer the device cannot address, leaves the
-guard on its torch ops.
+Built per dtype, vocabulary width and variant (every row, or rows through an index),
+not per row stride (``do_not_specialize``: a padded vocabulary's stride differs from
+the width the first try uses). The first guarded step on a device builds and tries
+them (:func:`usable`: a one-time stall); a GPU or build where the kernel cannot run, a
+buffer the device cannot address, or a launch that fails later (:func:`give_up`)
+leaves the guard on its torch ops.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def _guard(logits_ptr, index_ptr, flags_ptr, row_stride, VOCAB: tl.constexpr, IN
     tl.store(flags_ptr + i, bad.to(tl.uint8))
 
 
-kernel = jitted(_guard)  # (the kernel for this process: see triton_jit)
+kernel = jitted(_guard, do_not_specialize=["row_stride"])  # (the kernel for this process: see triton_jit)
+_given_up: set[tuple[torch.device, torch.dtype, int]] = set()  # (device, dtype, width) whose launch failed
 
 
 def takes(logits: torch.Tensor) -> bool:
@@ -79,14 +82,24 @@ def launch(logits: torch.Tensor, index: torch.Tensor | None, flags: torch.Tensor
                       BLOCK=BLOCK, num_warps=WARPS)
 
 
-@functools.cache
 def usable(device: torch.device, dtype: torch.dtype, vocab: int) -> bool:
     """Whether the kernel runs on this device for rows of ``vocab`` values of this dtype
-    and writes its flags into pinned host memory: tried once on a scratch row of that
-    width (a NaN, an inf) against the torch ops, every row and through an index, so
-    the builds a step launches exist before it needs them (a build is per dtype,
-    width and variant); outside any CUDA-graph capture (the guard runs outside
-    graphs)."""
+    and writes its flags into pinned host memory (:func:`_tried`), and no launch of it
+    there has failed since (:func:`give_up`)."""
+    return (device, dtype, vocab) not in _given_up and _tried(device, dtype, vocab)
+
+
+def give_up(device: torch.device, dtype: torch.dtype, vocab: int) -> None:
+    """A launch failed (the caller logs why): the torch ops guard these logits from now on."""
+    _given_up.add((device, dtype, vocab))
+
+
+@functools.cache
+def _tried(device: torch.device, dtype: torch.dtype, vocab: int) -> bool:
+    """Tried once on a scratch row of that width (a NaN, an inf) against the torch ops,
+    every row and through an index, so the builds a step launches exist before it needs
+    them (a build is per dtype, width and variant); outside any CUDA-graph capture (the
+    guard runs outside graphs)."""
     try:
         if kernel() is None or dtype not in DTYPES or vocab < 4:
             return False

@@ -19,14 +19,15 @@ except Exception:  # noqa: BLE001 - missing or broken: the callers' torch ops ru
 __all__ = ["jitted", "tl", "triton"]
 
 
-def jitted(fn: Callable) -> Callable[[], Any]:
-    """A getter of ``fn`` jitted for this process's mode (None without Triton)."""
+def jitted(fn: Callable, **options: Any) -> Callable[[], Any]:
+    """A getter of ``fn`` jitted for this process's mode (None without Triton);
+    ``options`` go to ``triton.jit`` (e.g. ``do_not_specialize``)."""
     built: dict[bool, Any] = {}
 
     def kernel() -> Any:
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         if interpret not in built:
-            built[interpret] = None if triton is None else triton.jit(fn)
+            built[interpret] = None if triton is None else triton.jit(fn, **options)
         return built[interpret]
 
     return kernel
