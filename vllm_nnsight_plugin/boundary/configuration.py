@@ -28,6 +28,20 @@ def speculative_method(vllm_config: Any) -> str | None:
     return None if spec is None else str(getattr(spec, "method", None) or "draft model")
 
 
+def untraceable(vllm_config: Any) -> str | None:
+    """Why no traced request or edit can run on this engine (None: they can). A
+    speculating engine verifies several draft tokens of a request in one step and drops
+    the rejected ones, so a request's rows and steps are not one token each: its reads,
+    edits and ``tracer.iter`` steps would not mean what they say."""
+    method = speculative_method(vllm_config) if vllm_config is not None else None
+    if method is None:
+        return None
+    return (f"this engine runs speculative decoding ({method}), which verifies several draft tokens per "
+            "request in one step and discards the rejected ones; traced requests and edits are not "
+            "supported there: serve the model without a speculative config (--speculative-config, "
+            "--spec-*) to trace it")
+
+
 def model_dtype(vllm_config: Any) -> Any:
     """The dtype of the model's activations (``model_config.dtype``)."""
     return getattr(getattr(vllm_config, "model_config", None), "dtype", None)
@@ -71,8 +85,8 @@ def model_key(vllm_config: Any) -> str:
 
 
 def llm_config(llm: Any) -> Any:
-    """The VllmConfig of a ``vllm.LLM``."""
-    return llm.llm_engine.vllm_config
+    """The VllmConfig of a ``vllm.LLM`` or an ``AsyncLLM``."""
+    return getattr(llm, "llm_engine", llm).vllm_config
 
 
 def _once_per(table: dict[int, tuple[Any, Any]], key: Any, compute: Callable[[Any], Any], keep: bool = True) -> Any:

@@ -82,7 +82,7 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
     from ..hooks import refusal
 
     env = codec.parse_envelope(raw, configuration.model_width(vllm_config) if vllm_config is not None else None)
-    refuse_speculation(vllm_config)
+    refuse_untraceable(vllm_config)
     reason = refusal(env["kind"], origin, configuration.additional_config(vllm_config))
     if reason:
         raise codec.PayloadError(reason)
@@ -111,16 +111,12 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
     return env
 
 
-def refuse_speculation(vllm_config: Any) -> None:
-    """A speculating engine verifies several draft tokens of a request in one step and
-    drops the rejected ones, so a request's rows and steps are not one token each: its
-    reads, edits and ``tracer.iter`` steps would not mean what they say. Refused."""
-    method = configuration.speculative_method(vllm_config) if vllm_config is not None else None
-    if method is not None:
-        raise codec.PayloadError(
-            f"this engine runs speculative decoding ({method}), which verifies several draft tokens per "
-            "request in one step and discards the rejected ones; traced requests and edits are not "
-            "supported there: serve the model without --speculative-config to trace it")
+def refuse_untraceable(vllm_config: Any) -> None:
+    """Refuse every payload and edit on an engine the plugin cannot trace
+    (:func:`.configuration.untraceable`: speculative decoding)."""
+    reason = configuration.untraceable(vllm_config) if vllm_config is not None else None
+    if reason is not None:
+        raise codec.PayloadError(reason)
 
 
 def check_sequences(params: Any) -> None:

@@ -73,10 +73,10 @@ def nnsight_lane_stats(self: Any) -> dict[str, int]:
 
 def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str) -> bool:
     """Install an engine-wide edit (between steps: RPCs never run during a forward)."""
-    from .frontend import refuse_speculation
+    from .frontend import refuse_untraceable
     from .runner_v1 import interleaver_of
 
-    refuse_speculation(getattr(self, "vllm_config", None))
+    refuse_untraceable(getattr(self, "vllm_config", None))
 
     interleaver_of(self.model_runner, create=True).install_edit(edit_id, name, payload)
     return True

@@ -50,7 +50,7 @@ def add_routes(app: Any) -> None:
         """Install an engine-wide edit: ``{"payload": "<code or spec payload>", "name": null}``."""
         import uuid
 
-        from ..boundary.frontend import check_payload, ensure_module_table
+        from ..boundary.frontend import check_payload, ensure_module_table, refuse_untraceable
         from ..engine import edits
         from ..payload import codec
 
@@ -61,9 +61,10 @@ def add_routes(app: Any) -> None:
             payload, name = body.get("payload"), body.get("name")
             if name is not None and not isinstance(name, str):
                 raise codec.PayloadError("'name' must be a string or null")
+            config = entrypoints.app_vllm_config(raw_request.app)
+            refuse_untraceable(config)
             await ensure_module_table(entrypoints.engine_client(raw_request.app))
             # the same checks as a traced request's payload (policy, runner, compiled engine)
-            config = entrypoints.app_vllm_config(raw_request.app)
             if isinstance(payload, str) and len(payload) > LARGE_PAYLOAD:  # a thread: the event loop may run
                 await asyncio.to_thread(check_payload, payload, None, config)
             else:

@@ -23,7 +23,7 @@ from ..engine import edits
 from ..payload import codec, request_args
 from ..payload import values as tagged
 from ..payload.codec import LARGE_PAYLOAD
-from . import engine_core, entrypoints, patching
+from . import configuration, engine_core, entrypoints, patching
 from .frontend import check_payload, check_sequences, ensure_module_table
 from .outputs import raw_results
 
@@ -110,8 +110,8 @@ def _create(original: Callable) -> Callable:
     async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if request_args.mentioned(_xargs(request)) or edits.INSTALLED:  # (installed edits trace every request)
             raw = _payload(request)
-            if raw is not None:
-                await ensure_module_table(getattr(self, "engine_client", None))
+            if raw is not None and configuration.untraceable(entrypoints.serving_vllm_config(self)) is None:
+                await ensure_module_table(getattr(self, "engine_client", None))  # (else: _reject refuses it)
             if isinstance(raw, str) and len(raw) > LARGE_PAYLOAD:  # a thread: the event loop may run
                 error = await asyncio.to_thread(_reject, self, request)
             else:

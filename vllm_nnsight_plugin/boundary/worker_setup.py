@@ -19,4 +19,5 @@ def worker_setup(model: Any, vllm_config: Any) -> WorkerSetup:
     return WorkerSetup(settings=configuration.settings(vllm_config), eager=configuration.runs_eager(vllm_config),
                        dtype=configuration.model_dtype(vllm_config), tensor_parallel=parallel.tp_group(),
                        outside_forward=runners.OUTSIDE_FORWARD, stages=stages, call_module=parallel.call_whole,
-                       output_structure=parallel.output_structure)
+                       output_structure=parallel.output_structure,
+                       refusal=configuration.untraceable(vllm_config))

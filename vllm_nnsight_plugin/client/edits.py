@@ -125,10 +125,13 @@ class EditContext(_Capturing):
         return True
 
     def _install_args(self) -> tuple:
+        from ..boundary.configuration import llm_config
+        from ..boundary.frontend import refuse_untraceable
         from ..engine import edits as registry
 
         block, values = self._block
         model = self.model  # an access no tap serves fails here, not in every later request
+        refuse_untraceable(llm_config(model._engine()))
         model._check_block(block, values, model._tree, None if model.llm_kwargs.get("enforce_eager") else model.taps)
         payload = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
         registry.add(self.handle.id, self.handle.name)  # before the RPC: no request slips past

@@ -26,6 +26,8 @@ class Admission:
         if self.stages is not None and not self.stages.last and not self.stages.carries:
             return  # (plans reach the last stage's modules only: see StageTransport)
         try:
+            if self.setup.refusal is not None:
+                raise codec.PayloadError(self.setup.refusal)
             args, refused = request_args.parse(extra_args), None
         except codec.PayloadError as exc:  # (the front end refuses these: this one came round it)
             args, refused = request_args.NONE, RequestSession(req_id, self)

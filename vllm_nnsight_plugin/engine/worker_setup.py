@@ -28,6 +28,9 @@ class WorkerSetup:
     # what a module returns where its forward's annotation does not say: 0 a tensor, N a
     # tuple of N (boundary.parallel.output_structure: vLLM's linears); None: unknown
     output_structure: Callable[[Any], int | None] | None = None
+    # why this engine runs no traced request (boundary.configuration.untraceable: speculative
+    # decoding); None: it does. The front end refuses them first: this ends those that came round it
+    refusal: str | None = None
 
 
 @dataclass(frozen=True)
