@@ -258,6 +258,79 @@ def test_the_steady_batch_shortcut_changes_nothing_but_the_work(monkeypatch):
     assert used > 100  # (the shortcut ran)
 
 
+def test_a_steady_batch_reuses_its_picks_and_changes_nothing_else(monkeypatch):
+    """Random batches of batched edits and reads (every step, the prompt, generated
+    steps, step lists, a picked position; prompts of three rows, then one row a step;
+    requests ending at different steps): reusing the last steady step's picks gives the
+    same edits, results and sessions as picking every step, and it is reused."""
+    import random
+
+    from vllm_nnsight_plugin.engine import batched
+    from vllm_nnsight_plugin.engine.interleave import StepLayout
+
+    def run(specs: dict[str, str], ends: dict[str, int], fail: tuple[str, int] | None) -> tuple:
+        torch.manual_seed(0)
+        model, inter = _toy()
+        for req_id, spec in specs.items():
+            inter.admit(req_id, {"nnsight": spec}, SamplingParams(max_tokens=ends[req_id]))
+        edited, results = [], []
+        handle = model.layers[0].register_forward_hook(lambda mod, args, out: edited.append(out.tolist()))
+        spans = rows = None
+        for step in range(max(ends.values())):
+            live = [r for r in specs if ends[r] > step]
+            widths = [3 if step == 0 else 1 for _ in live]
+            new = {r: (sum(widths[:i]), sum(widths[:i + 1])) for i, r in enumerate(live)}
+            if new != spans:  # (the runner publishes a new layout only when the batch changes)
+                spans, rows = new, {r: i for i, r in enumerate(live)}
+            inter.begin_step(StepLayout(spans, rows, sum(widths)))
+            with torch.no_grad():
+                model(torch.arange(sum(widths) * 4, dtype=torch.float32).reshape(-1, 4) / 10)
+            out = inter.end_step()
+            results.append(repr(sorted((r, sorted((k, repr(v)) for k, v in e.items())) for r, e in out.items())))
+            inter.finish([r for r in live if ends[r] == step + 1])
+            if fail is not None and fail[1] == step and inter.sessions.get(fail[0]):
+                # (its error ended it; under async scheduling its request still runs a step)
+                inter.sessions[fail[0]][0].fail("ended")
+        handle.remove()
+        state = {r: [(s.step, s.active) for s in inter.sessions.get(r, ())] for r in specs}
+        return edited, results, state
+
+    picks = {"n": 0}
+    original = batched.BatchedEdits._pick
+
+    def counted(groups, layout, per_request=False):
+        picks["n"] += 1
+        return original(groups, layout, per_request)
+
+    monkeypatch.setattr(batched.BatchedEdits, "_pick", staticmethod(counted))
+    rng = random.Random(1)
+    reused = 0
+    for _ in range(60):
+        specs, ends = {}, {}
+        for i in range(rng.randint(1, 4)):
+            steps = rng.choice(["all", "all", "prefill", "generated", "list"])
+            if steps == "list":
+                steps = sorted(rng.sample(range(8), rng.randint(1, 4)))
+            kind = rng.random()
+            op = {"op": "add", "module": "layers.0", "value": [10.0] * 4} if kind < 0.4 else \
+                {"op": "scale", "module": "layers.0", "factor": 2.0} if kind < 0.6 else \
+                {"op": "read", "name": "h", "module": "layers.0"}
+            if rng.random() < 0.3:
+                op["positions"] = [-1]
+            specs[f"r{i}"], ends[f"r{i}"] = _toy_spec({**op, "steps": steps}), rng.randint(2, 9)
+        fail = (rng.choice(list(specs)), rng.randint(1, 6)) if rng.random() < 0.4 else None
+        picks["n"] = 0
+        reusing = run(specs, ends, fail)
+        walks = picks["n"]
+        with monkeypatch.context() as patch:
+            patch.setattr(batched.BatchedEdits, "steady", lambda self, spans: False)
+            picks["n"] = 0
+            walking = run(specs, ends, fail)
+        assert reusing == walking, (specs, ends, fail)
+        reused += picks["n"] - walks
+    assert reused > 50  # (steady steps took the last step's picks)
+
+
 def test_a_recomputed_request_whose_blocks_are_over_fails_and_is_not_restarted():
     """vLLM preempts a request and recomputes it (V2 re-sends it as new): the edit its
     finished block made at prefill would be missing from the recompute, so say so."""

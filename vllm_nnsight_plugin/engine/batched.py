@@ -66,6 +66,7 @@ class BatchedEdits(LanePlans):
         self._cover: tuple[int, bool] = (-1, False)
         self.stale = False  # a batched session ended or failed since the last prune
         self._fill_memo: tuple | None = None  # the last step's lane tables (see fill_lanes)
+        self._pick_memo: dict[tuple, tuple] = {}  # (key, late) -> the last steady step's picks (see _step_picks)
         self._seqs: dict[int, tuple[dict[str, Any], int]] = {}  # id(op) -> (op, its seq)
         self._for_request: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}  # see for_request
         self._next_seq = 0
@@ -192,7 +193,7 @@ class BatchedEdits(LanePlans):
         groups = self._groups(key)
         if key in self.late:
             groups = [g for g in groups if bool(g[1].op.get("late")) is late]
-        for _, entry, spans, sessions in self._pick(groups, layout, key == LOGITS):
+        for _, entry, spans, sessions in self._step_picks((key, late), groups, layout):
             try:
                 if entry.op["op"] in READ_OPS:
                     self._read(entry.op, value, spans, sessions, rows)
@@ -217,6 +218,29 @@ class BatchedEdits(LanePlans):
                     groups.setdefault(gkey, (entry, []))[1].append(entry.session)
             cached = self._group_cache[key] = (self._version, [(g, *groups[g]) for g in sorted(groups)])
         return cached[1]
+
+    def _step_picks(self, memo_key: tuple, groups: list[tuple], layout: Any) -> list[tuple]:
+        """:meth:`_pick` for this step. A decode step of a steady batch (the layout the
+        last step published, no entry changed, none of its requests at its first step,
+        no op due at listed steps only, no session ended or failed since) picks what the
+        last step picked: no walk of the requests."""
+        memo = self._pick_memo.get(memo_key)
+        if memo is not None and memo[0] == self._version and memo[1] is layout.spans \
+                and memo[2] is layout.rows and not self.stale:
+            return memo[3]
+        picked = self._pick(groups, layout, memo_key[0] == LOGITS)
+        if not self.stale and self.steady(layout.spans):
+            self._pick_memo[memo_key] = (self._version, layout.spans, layout.rows, picked)
+        else:
+            self._pick_memo.pop(memo_key, None)
+        return picked
+
+    def steady(self, spans: dict[str, Any]) -> bool:
+        """Whether every op's due steps and rows stay as they are while the batch does:
+        no request in ``spans`` at its first step (prefill ops end, positions refer to
+        its prompt) and no op due at listed steps only."""
+        return not any((e.session.step == 0 and e.session.req_id in spans) or isinstance(e.op.get("steps"), list)
+                       for entries in self.at.values() for e in entries)
 
     @staticmethod
     def _pick(groups: list[tuple], layout: Any, per_request: bool = False) -> list[tuple]:

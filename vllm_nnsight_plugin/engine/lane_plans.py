@@ -86,11 +86,7 @@ class LanePlans:
                 parts[part].reading = True
             self.laned[key] = (parts, code, reads)
             filled[key] = (parts, code, reads, tables, read_parts)
-        spans = layout.spans
-        # (an op due at some steps only may be due now and not next step: never reuse then)
-        steady = steady and not any((e.session.step == 0 and e.session.req_id in spans)
-                                    or isinstance(e.op.get("steps"), list)
-                                    for entries in self.at.values() for e in entries)
+        steady = steady and self.steady(layout.spans)
         # (a layout's spans are never changed once published: keep the dict itself)
         self._fill_memo = (self._version, layout.num_tokens, layout.spans, filled) if steady else None
 
