@@ -261,8 +261,10 @@ def test_the_steady_batch_shortcut_changes_nothing_but_the_work(monkeypatch):
 def test_a_steady_batch_reuses_its_picks_and_changes_nothing_else(monkeypatch):
     """Random batches of batched edits and reads (every step, the prompt, generated
     steps, step lists, a picked position; prompts of three rows, then one row a step;
-    requests ending at different steps): reusing the last steady step's picks gives the
-    same edits, results and sessions as picking every step, and it is reused."""
+    requests ending at different steps, one failing a step before its request leaves
+    the batch; requests of one spec whose rows others split): reusing the last steady
+    step's picks and their row index gives the same edits, results and sessions as
+    building both every step, and they are reused."""
     import random
 
     from vllm_nnsight_plugin.engine import batched
@@ -306,8 +308,8 @@ def test_a_steady_batch_reuses_its_picks_and_changes_nothing_else(monkeypatch):
     rng = random.Random(1)
     reused = 0
     for _ in range(60):
-        specs, ends = {}, {}
-        for i in range(rng.randint(1, 4)):
+        pool = []
+        for _ in range(rng.randint(1, 3)):
             steps = rng.choice(["all", "all", "prefill", "generated", "list"])
             if steps == "list":
                 steps = sorted(rng.sample(range(8), rng.randint(1, 4)))
@@ -317,13 +319,18 @@ def test_a_steady_batch_reuses_its_picks_and_changes_nothing_else(monkeypatch):
                 {"op": "read", "name": "h", "module": "layers.0"}
             if rng.random() < 0.3:
                 op["positions"] = [-1]
-            specs[f"r{i}"], ends[f"r{i}"] = _toy_spec({**op, "steps": steps}), rng.randint(2, 9)
+            pool.append(_toy_spec({**op, "steps": steps}))
+        # (requests of one spec text share its ops: one group, whose rows others may split)
+        specs = {f"r{i}": rng.choice(pool) for i in range(rng.randint(1, 6))}
+        ends = {r: rng.randint(2, 9) for r in specs}
         fail = (rng.choice(list(specs)), rng.randint(1, 6)) if rng.random() < 0.4 else None
         picks["n"] = 0
         reusing = run(specs, ends, fail)
         walks = picks["n"]
-        with monkeypatch.context() as patch:
+        with monkeypatch.context() as patch:  # (the reference: every step's picks and row index built anew)
             patch.setattr(batched.BatchedEdits, "steady", lambda self, spans: False)
+            patch.setattr(batched.BatchedEdits, "_row_index", lambda self, picked, spans, device: torch.cat(
+                [torch.arange(s, e) for s, e in spans]).to(device))
             picks["n"] = 0
             walking = run(specs, ends, fail)
         assert reusing == walking, (specs, ends, fail)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ..payload.spec import READ_OPS, is_single
@@ -67,6 +68,7 @@ class BatchedEdits(LanePlans):
         self.stale = False  # a batched session ended or failed since the last prune
         self._fill_memo: tuple | None = None  # the last step's lane tables (see fill_lanes)
         self._pick_memo: dict[tuple, tuple] = {}  # (key, late) -> the last steady step's picks (see _step_picks)
+        self._row_indexes: dict[tuple, tuple[list, torch.Tensor]] = {}  # see _row_index
         self._seqs: dict[int, tuple[dict[str, Any], int]] = {}  # id(op) -> (op, its seq)
         self._for_request: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}  # see for_request
         self._next_seq = 0
@@ -407,18 +409,32 @@ class BatchedEdits(LanePlans):
         check_structure(op, value)
         value = _per_token_tensor(op, value, num_tokens)
         check_writable(value, f"{op['module']}.{op.get('io', 'output')}")
-        spans = sorted(_flat(spans))
+        picked, spans = spans, sorted(_flat(spans))
         start, end = spans[0][0], spans[-1][1]
         if sum(e - s for s, e in spans) == end - start:  # contiguous rows: one view
             rows: Any = slice(start, end)
             target = value[rows]
         else:
-            rows = torch.cat([torch.arange(s, e) for s, e in spans]).to(value.device, non_blocking=True)
+            rows = self._row_index(picked, spans, value.device)
             target = value.index_select(0, rows)
         operand = self._value(op, value) if "value" in op else None
         arith.apply(op["op"], target, operand, op.get("factor", 1.0))  # (index_select made a copy)
         if not isinstance(rows, slice):
             value.index_copy_(0, rows, target)
+
+    def _row_index(self, picked: list[Any], spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+        """The rows of ``spans`` as one index tensor on ``device``, kept for the list of
+        picks it came from (a steady batch's picks are the same list every step: the
+        index is built and uploaded once, not once per request each step)."""
+        key = (id(picked), device)
+        known = self._row_indexes.get(key)
+        if known is not None and known[0] is picked:
+            return known[1]
+        if len(self._row_indexes) > 64:
+            self._row_indexes.clear()
+        rows = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in spans])).to(device, non_blocking=True)
+        self._row_indexes[key] = (picked, rows)
+        return rows
 
     def _value(self, op: dict[str, Any], like: torch.Tensor) -> arith.Operand:
         """The op's value on the device, decoded once; one row, broadcast over the rows."""
