@@ -269,6 +269,7 @@ def test_a_steady_batch_reuses_its_picks_and_changes_nothing_else(monkeypatch):
 
     from vllm_nnsight_plugin.engine import batched
     from vllm_nnsight_plugin.engine.interleave import StepLayout
+    from vllm_nnsight_plugin.engine.plan_ops import _flat
 
     def run(specs: dict[str, str], ends: dict[str, int], fail: tuple[str, int] | None) -> tuple:
         torch.manual_seed(0)
@@ -329,8 +330,8 @@ def test_a_steady_batch_reuses_its_picks_and_changes_nothing_else(monkeypatch):
         walks = picks["n"]
         with monkeypatch.context() as patch:  # (the reference: every step's picks and row index built anew)
             patch.setattr(batched.BatchedEdits, "steady", lambda self, spans: False)
-            patch.setattr(batched.BatchedEdits, "_row_index", lambda self, picked, spans, device: torch.cat(
-                [torch.arange(s, e) for s, e in spans]).to(device))
+            patch.setattr(batched.BatchedEdits, "_rows_of", lambda self, picked, device: torch.cat(
+                [torch.arange(s, e) for s, e in sorted(_flat(picked))]).to(device))
             picks["n"] = 0
             walking = run(specs, ends, fail)
         assert reusing == walking, (specs, ends, fail)

@@ -68,7 +68,7 @@ class BatchedEdits(LanePlans):
         self.stale = False  # a batched session ended or failed since the last prune
         self._fill_memo: tuple | None = None  # the last step's lane tables (see fill_lanes)
         self._pick_memo: dict[tuple, tuple] = {}  # (key, late) -> the last steady step's picks (see _step_picks)
-        self._row_indexes: dict[tuple, tuple[list, torch.Tensor]] = {}  # see _row_index
+        self._row_indexes: dict[tuple, tuple[list, Any]] = {}  # see _rows_of
         self._seqs: dict[int, tuple[dict[str, Any], int]] = {}  # id(op) -> (op, its seq)
         self._for_request: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}  # see for_request
         self._next_seq = 0
@@ -409,30 +409,29 @@ class BatchedEdits(LanePlans):
         check_structure(op, value)
         value = _per_token_tensor(op, value, num_tokens)
         check_writable(value, f"{op['module']}.{op.get('io', 'output')}")
-        picked, spans = spans, sorted(_flat(spans))
-        start, end = spans[0][0], spans[-1][1]
-        if sum(e - s for s, e in spans) == end - start:  # contiguous rows: one view
-            rows: Any = slice(start, end)
-            target = value[rows]
-        else:
-            rows = self._row_index(picked, spans, value.device)
-            target = value.index_select(0, rows)
+        rows = self._rows_of(spans, value.device)
+        target = value[rows] if isinstance(rows, slice) else value.index_select(0, rows)
         operand = self._value(op, value) if "value" in op else None
         arith.apply(op["op"], target, operand, op.get("factor", 1.0))  # (index_select made a copy)
         if not isinstance(rows, slice):
             value.index_copy_(0, rows, target)
 
-    def _row_index(self, picked: list[Any], spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
-        """The rows of ``spans`` as one index tensor on ``device``, kept for the list of
-        picks it came from (a steady batch's picks are the same list every step: the
-        index is built and uploaded once, not once per request each step)."""
+    def _rows_of(self, picked: list[Any], device: torch.device) -> slice | torch.Tensor:
+        """The rows of a group's picks: a slice where they are contiguous, else one index
+        tensor on ``device`` (built with numpy, uploaded once). Kept for the list of picks
+        it came from: a steady batch's picks are the same list every step."""
         key = (id(picked), device)
         known = self._row_indexes.get(key)
         if known is not None and known[0] is picked:
             return known[1]
         if len(self._row_indexes) > 64:
             self._row_indexes.clear()
-        rows = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in spans])).to(device, non_blocking=True)
+        spans = sorted(_flat(picked))
+        start, end = spans[0][0], spans[-1][1]
+        if sum(e - s for s, e in spans) == end - start:  # contiguous rows: one view
+            rows: slice | torch.Tensor = slice(start, end)
+        else:
+            rows = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in spans])).to(device, non_blocking=True)
         self._row_indexes[key] = (picked, rows)
         return rows
 
