@@ -252,13 +252,14 @@ def test_the_guard_on_a_gpu_takes_its_kernel_and_names_the_same_rows(dtype):
     assert guard.detach()() == ["b"] and torch.isinf(part[3, 0]) and torch.isfinite(part[1]).all()
 
 
-def test_the_guard_kernel_is_not_built_per_row_stride():
+def test_the_guard_kernel_is_not_built_per_row_stride(monkeypatch):
     """vLLM guards ``logits[:, :vocab]`` of a padded vocabulary: the row stride differs
     from the width :func:`usable` tries, and Triton would build a new variant for a
     stride of another divisibility inside a live step (GPT-2: 50257 wide, 50304 apart)."""
     pytest.importorskip("triton")
     from vllm_nnsight_plugin.engine import guard_kernel
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the compiled kernel's options)
     params = {p.name: p for p in guard_kernel.kernel().params}
     assert params["row_stride"].do_not_specialize and not params["VOCAB"].do_not_specialize
 

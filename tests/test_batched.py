@@ -329,7 +329,7 @@ def test_a_steady_batch_reuses_its_picks_and_changes_nothing_else(monkeypatch):
         reusing = run(specs, ends, fail)
         walks = picks["n"]
         with monkeypatch.context() as patch:  # (the reference: every step's picks and row index built anew)
-            patch.setattr(batched.BatchedEdits, "steady", lambda self, spans: False)
+            patch.setattr(batched.BatchedEdits, "steady", lambda self, layout: False)
             patch.setattr(batched.BatchedEdits, "_rows_of", lambda self, picked, device: torch.cat(
                 [torch.arange(s, e) for s, e in sorted(_flat(picked))]).to(device))
             picks["n"] = 0
@@ -337,6 +337,48 @@ def test_a_steady_batch_reuses_its_picks_and_changes_nothing_else(monkeypatch):
         assert reusing == walking, (specs, ends, fail)
         reused += picks["n"] - walks
     assert reused > 50  # (steady steps took the last step's picks)
+
+
+def _caches_then_fails(model, tracer):
+    tracer.cache(modules=["layers.0"])
+    n = 0
+    for _ in tracer.all():
+        model.layers[1].output.save()
+        n += 1
+        if n == 3:
+            raise ValueError("over at its third step")
+
+
+def _caches(model, tracer):
+    tracer.cache(modules=["layers.0"])
+
+
+def test_a_code_block_that_ends_takes_its_cache_reads_out_of_a_steady_batch():
+    """Two code blocks cache the same module (one read op, one group); one fails at
+    its third step while its request stays in the batch a step longer (async
+    scheduling). The other's cache still gets its row at every step: the steady batch
+    does not reuse picks that hold the ended block."""
+    from vllm_nnsight_plugin.engine.interleave import StepLayout
+
+    model, inter = _toy()
+    inter.admit("a", {"nnsight": make_payload(_caches_then_fails), "nnsight_lower": False})
+    inter.admit("b", {"nnsight": make_payload(_caches), "nnsight_lower": False})
+    lives = inter.sessions["b"][0]
+    prompt, decode, rows = {"a": (0, 3), "b": (3, 6)}, {"a": (0, 1), "b": (1, 2)}, {"a": 0, "b": 1}
+    cached, errors = [], {}
+    for step in range(6):
+        spans = prompt if step == 0 else decode  # (one dict for every decode step, as the runners keep it)
+        width = sum(e - s for s, e in spans.values())
+        inter.begin_step(StepLayout(spans, rows, width))
+        with torch.no_grad():
+            model(torch.randn(width, 4))
+        for req_id, entry in inter.end_step().items():
+            if entry.get("error"):
+                errors[req_id] = entry["error"]["message"]
+        logs = [v for k, v in lives.namespace.items() if k.startswith("__cache__")]
+        cached.append(sum(len(log) for log in logs))
+    assert "third step" in errors["a"] and "b" not in errors
+    assert cached == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_recomputed_request_whose_blocks_are_over_fails_and_is_not_restarted():

@@ -131,8 +131,8 @@ class EditContext(_Capturing):
 
         block, values = self._block
         model = self.model  # an access no tap serves fails here, not in every later request
-        refuse_untraceable(llm_config(model._engine()))
         model._check_block(block, values, model._tree, None if model.llm_kwargs.get("enforce_eager") else model.taps)
+        refuse_untraceable(llm_config(model._engine()))
         payload = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
         registry.add(self.handle.id, self.handle.name)  # before the RPC: no request slips past
         return (self.handle.id, self.handle.name, payload)

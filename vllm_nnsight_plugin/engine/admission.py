@@ -31,6 +31,7 @@ class Admission:
             args, refused = request_args.parse(extra_args), None
         except codec.PayloadError as exc:  # (the front end refuses these: this one came round it)
             args, refused = request_args.NONE, RequestSession(req_id, self)
+            refused.edits = False  # (it changes nothing: no logits guard for its rows)
             refused.fail(f"bad request: {exc}")
         # a block whose saves stream per step binds its names as it runs: never lowered
         kept_code = "nnsight_lower is off" if not args.lower else \

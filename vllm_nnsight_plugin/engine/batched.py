@@ -68,6 +68,7 @@ class BatchedEdits(LanePlans):
         self.stale = False  # a batched session ended or failed since the last prune
         self._fill_memo: tuple | None = None  # the last step's lane tables (see fill_lanes)
         self._pick_memo: dict[tuple, tuple] = {}  # (key, late) -> the last steady step's picks (see _step_picks)
+        self._steady: tuple | None = None  # (layout, version, whether steady): see steady
         self._row_indexes: dict[tuple, tuple[list, Any]] = {}  # see _rows_of
         self._seqs: dict[int, tuple[dict[str, Any], int]] = {}  # id(op) -> (op, its seq)
         self._for_request: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}  # see for_request
@@ -231,18 +232,25 @@ class BatchedEdits(LanePlans):
                 and memo[2] is layout.rows and not self.stale:
             return memo[3]
         picked = self._pick(groups, layout, memo_key[0] == LOGITS)
-        if not self.stale and self.steady(layout.spans):
+        if not self.stale and self.steady(layout):
             self._pick_memo[memo_key] = (self._version, layout.spans, layout.rows, picked)
         else:
             self._pick_memo.pop(memo_key, None)
         return picked
 
-    def steady(self, spans: dict[str, Any]) -> bool:
+    def steady(self, layout: Any) -> bool:
         """Whether every op's due steps and rows stay as they are while the batch does:
-        no request in ``spans`` at its first step (prefill ops end, positions refer to
-        its prompt) and no op due at listed steps only."""
-        return not any((e.session.step == 0 and e.session.req_id in spans) or isinstance(e.op.get("steps"), list)
-                       for entries in self.at.values() for e in entries)
+        no request of the step at its first step (prefill ops end, positions refer to
+        its prompt) and no op due at listed steps only. Worked out once per step and
+        registry version (every location asks)."""
+        known = self._steady
+        if known is not None and known[0] is layout and known[1] == self._version:
+            return known[2]
+        spans = layout.spans
+        steady = not any((e.session.step == 0 and e.session.req_id in spans) or isinstance(e.op.get("steps"), list)
+                         for entries in self.at.values() for e in entries)
+        self._steady = (layout, self._version, steady)
+        return steady
 
     @staticmethod
     def _pick(groups: list[tuple], layout: Any, per_request: bool = False) -> list[tuple]:

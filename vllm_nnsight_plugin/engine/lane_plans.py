@@ -42,7 +42,7 @@ class LanePlans:
             return
         memo = self._fill_memo
         if memo is not None and memo[0] == self._version and memo[1] == layout.num_tokens \
-                and (memo[2] is layout.spans or memo[2] == layout.spans):
+                and (memo[2] is layout.spans or memo[2] == layout.spans) and not self.stale:
             for key, (parts, code, reads, tables, read_parts) in memo[3].items():
                 for part, table in tables:
                     parts[part].set_table(table)
@@ -86,7 +86,7 @@ class LanePlans:
                 parts[part].reading = True
             self.laned[key] = (parts, code, reads)
             filled[key] = (parts, code, reads, tables, read_parts)
-        steady = steady and self.steady(layout.spans)
+        steady = steady and not self.stale and self.steady(layout)
         # (a layout's spans are never changed once published: keep the dict itself)
         self._fill_memo = (self._version, layout.num_tokens, layout.spans, filled) if steady else None
 

@@ -185,8 +185,10 @@ class RequestSession:
         self.close()
 
     def _note_over(self) -> None:
-        """A batched session is over: its entries go at the next prune."""
-        if self.batched and self.interleaver is not None:
+        """A session with entries in the batched registry (a batched spec's, or a code
+        block's cache reads) is over: its entries go at the next prune, and no step
+        reuses picks that hold it (:meth:`.batched.BatchedEdits._step_picks`)."""
+        if (self.batched or self.caches) and self.interleaver is not None:
             self.interleaver.batched.stale = True
 
     def _parked_line(self) -> int | None:
@@ -251,6 +253,7 @@ class RequestSession:
                 return
         self.done = True
         self.wait = None
+        self._note_over()
 
     # ------------------------------------------------------------ switching
     def start(self) -> None:
