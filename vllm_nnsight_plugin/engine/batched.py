@@ -432,7 +432,7 @@ class BatchedEdits(LanePlans):
         known = self._row_indexes.get(key)
         if known is not None and known[0] is picked:
             return known[1]
-        if len(self._row_indexes) > 64:
+        if len(self._row_indexes) > 256:  # (past steps' picks; a step with more groups rebuilds)
             self._row_indexes.clear()
         spans = sorted(_flat(picked))
         start, end = spans[0][0], spans[-1][1]

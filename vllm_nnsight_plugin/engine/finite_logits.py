@@ -94,7 +94,7 @@ class FiniteLogits:
     @staticmethod
     def _fused(logits: torch.Tensor) -> bool:
         """Whether the guard's one Triton kernel (:mod:`.guard_kernel`) takes these logits
-        on this device (tried once per device and dtype)."""
+        on this device (tried once per device, dtype and width; not after a launch there failed)."""
         from . import guard_kernel
 
         return guard_kernel.takes(logits) and guard_kernel.usable(logits.device, logits.dtype, logits.shape[1])
