@@ -166,8 +166,9 @@ class BatchedEdits(LanePlans):
         return known[1]
 
     def prune(self) -> None:
-        """Drop entries of finished or failed requests (once one has ended: see
+        """At a step's end: drop entries of finished or failed requests (once one has ended: see
         :attr:`stale`)."""
+        self._steady = None  # (the step's layout is over: not held past it)
         if not self.stale:
             return
         self.stale = False
