@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import HFRun, assert_close
+from conftest import ENGINE_KWARGS, HFRun, assert_close
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, results
@@ -15,8 +15,18 @@ from vllm_nnsight_plugin import InterventionError, results
 PROMPT = "The capital of Japan is"
 
 
-def test_construction_is_lazy_and_first_trace_dispatches(gpt2, hf_gpt2):
-    assert not gpt2.dispatched  # VLLM(path) started nothing
+def test_construction_starts_nothing_and_shows_the_module_tree(gpt2_path, hf_gpt2):
+    from vllm_nnsight_plugin import VLLM
+
+    # its own instance: the shared fixture may have been dispatched by an earlier test
+    model = VLLM(gpt2_path, dtype="float32", max_model_len=512, **ENGINE_KWARGS)
+    assert not model.dispatched and model.vllm_entrypoint is None
+    assert len(model.transformer.h) == len(hf_gpt2.transformer.h)  # vLLM's tree, built on meta
+    assert not model.dispatched
+    model.shutdown()  # (nothing to stop)
+
+
+def test_a_trace_dispatches_and_every_block_equals_hugging_face(gpt2, hf_gpt2):
     with gpt2.trace(PROMPT, temperature=0.0) as tracer:
         blocks = [block.output.save() for block in gpt2.transformer.h].save()
         logits = gpt2.logits.save()
