@@ -46,6 +46,17 @@ def test_plugin_is_live_in_the_worker_process(llama):
         assert all(p["v2"] == (expect == "v2") for p in probes), probes
 
 
+def test_the_logits_guard_is_prepared_at_load_for_the_logits_the_engine_makes(llama):
+    # the guard's kernel is built when the model loads, for the logits compute_logits
+    # returns (a build in the first traced step stalls it); the guess must be those logits
+    with llama.trace("The capital of Japan is", temperature=0.0):
+        logits = llama.logits.save()
+    for probe in llama.vllm_entrypoint.collective_rpc("nnsight_probe"):
+        dtype, width, kernel = probe["logits"]
+        assert (dtype, width) == (str(logits.dtype), logits.shape[-1])
+        assert kernel == torch.cuda.is_available()  # (Triton on CUDA; the torch ops elsewhere)
+
+
 def test_untraced_neighbours_are_bit_identical(llama):
     llm = llama.vllm_entrypoint
     prompts = ["The capital of Japan is", "Hello world!", "One two three four"]

@@ -47,6 +47,17 @@ def model_dtype(vllm_config: Any) -> Any:
     return getattr(getattr(vllm_config, "model_config", None), "dtype", None)
 
 
+def logits_format(vllm_config: Any) -> tuple[Any, int] | None:
+    """The dtype and width of the rows the model's ``compute_logits`` returns: the
+    model's dtype and its vocabulary (vLLM's logits processor slices a padded vocabulary
+    off). None when the config does not say."""
+    mc = getattr(vllm_config, "model_config", None)
+    try:
+        return mc.dtype, int(mc.get_vocab_size())
+    except Exception:  # noqa: BLE001 - a config without these: nothing to prepare
+        return None
+
+
 def compiles_piecewise(vllm_config: Any) -> bool:
     """Whether vLLM compiles the model split at ``splitting_ops`` (VLLM_COMPILE)."""
     comp = vllm_config.compilation_config

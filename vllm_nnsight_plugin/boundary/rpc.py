@@ -27,8 +27,9 @@ def nnsight_module_table(self: Any) -> dict[str, Any]:
 
 
 def nnsight_probe(self: Any) -> dict[str, Any]:
-    """Proof that the plugin is live in this worker process."""
-    from . import patching, runners
+    """Proof that the plugin is live in this worker process, and what it prepared at
+    model load: the logits' dtype and width, and whether the guard's kernel takes them."""
+    from . import patching, runner_v1, runners
 
     runner_cls = type(self.model_runner)
     v2 = runners.is_v2_runner(self.model_runner)
@@ -38,6 +39,7 @@ def nnsight_probe(self: Any) -> dict[str, Any]:
         "pid": os.getpid(),
         "runner": f"{runner_cls.__module__}.{runner_cls.__name__}",
         "v2": v2,
+        "logits": self.model_runner.__dict__.get(runner_v1.LOGITS),
         "patched": all(
             patching.is_patched(cls, name)
             for name in names

@@ -17,11 +17,11 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..engine import lanes, stages
+from ..engine import finite_logits, lanes, stages
 from ..engine.interleave import Interleaver
 from ..engine.rows import StepLayout
 from ..payload import codec
-from . import kv_blocks, parallel, patching, runners, tap_setup
+from . import configuration, kv_blocks, parallel, patching, runners, tap_setup
 from .worker_setup import worker_setup
 
 logger = logging.getLogger("vllm.nnsight_plugin")
@@ -207,12 +207,17 @@ def _sample_tokens(original: Callable) -> Callable:
 
 
 _GRAPHS = "_nnsight_graph_mode"  # set while V1 picks this step's CUDA-graph mode
+LOGITS = "_nnsight_logits_format"  # (dtype name, width, whether the guard's kernel takes them)
 
 
 def _load_model(original: Callable) -> Callable:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         tap_setup.on_model_loaded(self)
+        fmt = configuration.logits_format(self.vllm_config)
+        if fmt is not None:  # (before CUDA graphs are captured: the kernel runs outside them)
+            kernel = finite_logits.prepare(getattr(self, "device", "cpu"), *fmt)
+            self.__dict__[LOGITS] = (str(fmt[0]), fmt[1], kernel)
         if self.__dict__.get(tap_setup.SITES) and not runners.is_v2_runner(self):
             runners.guard_v1_dispatcher(self, lambda: self.__dict__.get(_GRAPHS))
         return out

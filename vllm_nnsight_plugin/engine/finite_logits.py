@@ -167,6 +167,19 @@ class _Buffer(NamedTuple):
         return self.maxima[:rows] if self.maxima is not None else self.host[:rows].float().numpy()
 
 
+def prepare(device: Any, dtype: torch.dtype, width: int) -> bool:
+    """Build the guard's kernel for logits rows of this dtype and width on this device
+    now, at model load: the first traced step would otherwise build it while the batch
+    waits (a stall of about a second, which vLLM logs as a JIT compilation during
+    inference). True when the kernel will guard such rows; always False off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    from . import guard_kernel
+
+    return guard_kernel.usable(device, dtype, width)
+
+
 def _bad(req_ids: list[str], maxima: np.ndarray) -> list[str]:
     """The requests whose row maximum is NaN or +inf (bfloat16 bits: an all-ones
     exponent is NaN or an infinity; -inf, a mask, is finite here), or whose flag is set

@@ -13,10 +13,11 @@ less host time where only some of a step's rows are guarded.
 
 Built per dtype, vocabulary width and variant (every row, or rows through an index),
 not per row stride (``do_not_specialize``: a padded vocabulary's stride differs from
-the width the first try uses). The first guarded step on a device builds and tries
-them (:func:`usable`: a one-time stall); a GPU or build where the kernel cannot run, a
-buffer the device cannot address, or a launch that fails later (:func:`give_up`)
-leaves the guard on its torch ops.
+the width the first try uses). They are built and tried when the model loads, for
+the logits it makes (:func:`.finite_logits.prepare`); logits of another dtype or width
+are built at their first guarded step (:func:`usable`: a one-time stall). A GPU or
+build where the kernel cannot run, a buffer the device cannot address, or a launch
+that fails later (:func:`give_up`) leaves the guard on its torch ops.
 """
 
 from __future__ import annotations
