@@ -20,13 +20,15 @@ def test_construction_starts_nothing_and_shows_the_module_tree(gpt2_path, hf_gpt
 
     # its own instance: the shared fixture may have been dispatched by an earlier test
     model = VLLM(gpt2_path, dtype="float32", max_model_len=512, **ENGINE_KWARGS)
-    assert not model.dispatched and model.vllm_entrypoint is None
-    assert len(model.transformer.h) == len(hf_gpt2.transformer.h)  # vLLM's tree, built on meta
-    assert not model.dispatched
-    model.shutdown()  # (nothing to stop)
+    try:
+        assert not model.dispatched and model.vllm_entrypoint is None
+        assert len(model.transformer.h) == len(hf_gpt2.transformer.h)  # vLLM's tree, built on meta
+        assert not model.dispatched
+    finally:
+        model.shutdown()  # (nothing to stop, unless construction started an engine)
 
 
-def test_a_trace_dispatches_and_every_block_equals_hugging_face(gpt2, hf_gpt2):
+def test_a_trace_on_the_lazy_model_runs_and_every_block_equals_hugging_face(gpt2, hf_gpt2):
     with gpt2.trace(PROMPT, temperature=0.0) as tracer:
         blocks = [block.output.save() for block in gpt2.transformer.h].save()
         logits = gpt2.logits.save()

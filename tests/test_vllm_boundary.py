@@ -277,3 +277,24 @@ def test_the_width_bound_is_computed_once_per_model_config():
     assert len(asked) == 1  # (the second answer was the memo's)
     assert configuration.model_width(two) == 1000 and len(asked) == 2  # (another model config: computed)
     assert configuration.model_width(SimpleNamespace()) is None
+
+
+def test_the_logits_format_is_the_heads_dtype_and_the_vocabulary(llama_path, monkeypatch):
+    """What the guard's kernel is built for at load (``configuration.logits_format``),
+    from this vLLM's own configs: the head's dtype, which ``head_dtype`` can set apart
+    from the model's, and nothing for a pooling model (no logits to sample)."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_nnsight_plugin.boundary import configuration
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    def fmt(**kwargs):
+        return configuration.logits_format(EngineArgs(model=llama_path, **kwargs).create_engine_config())
+
+    vocab = EngineArgs(model=llama_path).create_model_config().get_vocab_size()
+    assert fmt(dtype="float32") == (torch.float32, vocab)
+    assert fmt(dtype="bfloat16") == (torch.bfloat16, vocab)
+    assert fmt(dtype="bfloat16", hf_overrides={"head_dtype": "float32"}) == (torch.float32, vocab)
+    assert fmt(dtype="float32", runner="pooling") is None

@@ -48,12 +48,15 @@ def model_dtype(vllm_config: Any) -> Any:
 
 
 def logits_format(vllm_config: Any) -> tuple[Any, int] | None:
-    """The dtype and width of the rows the model's ``compute_logits`` returns: the
-    model's dtype and its vocabulary (vLLM's logits processor slices a padded vocabulary
-    off). None when the config does not say."""
+    """The dtype and width of the rows a generating model's ``compute_logits`` returns:
+    its head's dtype (the model's unless ``head_dtype`` overrides it) and its vocabulary
+    (vLLM's logits processor slices a padded vocabulary off). None for a model that
+    makes no logits to sample (pooling) or a config that does not say."""
     mc = getattr(vllm_config, "model_config", None)
     try:
-        return mc.dtype, int(mc.get_vocab_size())
+        if getattr(mc, "runner_type", "generate") != "generate":
+            return None
+        return getattr(mc, "head_dtype", None) or mc.dtype, int(mc.get_vocab_size())
     except Exception:  # noqa: BLE001 - a config without these: nothing to prepare
         return None
 

@@ -28,7 +28,10 @@ def nnsight_module_table(self: Any) -> dict[str, Any]:
 
 def nnsight_probe(self: Any) -> dict[str, Any]:
     """Proof that the plugin is live in this worker process, and what it prepared at
-    model load: the logits' dtype and width, and whether the guard's kernel takes them."""
+    model load: the logits' dtype and width and whether the guard's kernel takes them
+    (None on a worker that guards no logits with it), and how many builds of that
+    kernel this process has made."""
+    from ..engine import guard_kernel
     from . import patching, runner_v1, runners
 
     runner_cls = type(self.model_runner)
@@ -40,6 +43,7 @@ def nnsight_probe(self: Any) -> dict[str, Any]:
         "runner": f"{runner_cls.__module__}.{runner_cls.__name__}",
         "v2": v2,
         "logits": self.model_runner.__dict__.get(runner_v1.LOGITS),
+        "guard_builds": guard_kernel.builds(),
         "patched": all(
             patching.is_patched(cls, name)
             for name in names

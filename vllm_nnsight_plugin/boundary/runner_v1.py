@@ -214,15 +214,24 @@ def _load_model(original: Callable) -> Callable:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         tap_setup.on_model_loaded(self)
-        fmt = configuration.logits_format(self.vllm_config)
-        if fmt is not None:  # (before CUDA graphs are captured: the kernel runs outside them)
-            kernel = finite_logits.prepare(getattr(self, "device", "cpu"), *fmt)
-            self.__dict__[LOGITS] = (str(fmt[0]), fmt[1], kernel)
+        _prepare_logits_guard(self)
         if self.__dict__.get(tap_setup.SITES) and not runners.is_v2_runner(self):
             runners.guard_v1_dispatcher(self, lambda: self.__dict__.get(_GRAPHS))
         return out
 
     return load_model
+
+
+def _prepare_logits_guard(runner: Any) -> None:
+    """At load, before CUDA graphs are captured (the guard runs outside them): build the
+    guard's kernel for the logits this worker will check. Only the last pipeline stage
+    makes logits, and only the first tensor-parallel rank launches the kernel (the
+    others make their rows finite with torch ops: vLLM reads rank 0's outputs alone)."""
+    fmt = configuration.logits_format(runner.vllm_config)
+    if fmt is None or not parallel.pipeline_position()[1] or parallel.tp_world()[1] != 0:
+        return
+    kernel = finite_logits.prepare(getattr(runner, "device", "cpu"), *fmt)
+    runner.__dict__[LOGITS] = (str(fmt[0]), fmt[1], kernel)
 
 
 def _determine_batch_execution(original: Callable) -> Callable:

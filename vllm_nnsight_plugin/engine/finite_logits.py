@@ -167,11 +167,11 @@ class _Buffer(NamedTuple):
         return self.maxima[:rows] if self.maxima is not None else self.host[:rows].float().numpy()
 
 
-def prepare(device: Any, dtype: torch.dtype, width: int) -> bool:
+def prepare(device: torch.device | str, dtype: torch.dtype, width: int) -> bool:
     """Build the guard's kernel for logits rows of this dtype and width on this device
     now, at model load: the first traced step would otherwise build it while the batch
-    waits (a stall of about a second, which vLLM logs as a JIT compilation during
-    inference). True when the kernel will guard such rows; always False off CUDA."""
+    waits (vLLM logs that as a JIT compilation during inference). True when the kernel
+    will guard such rows; always False off CUDA (nothing is built)."""
     device = torch.device(device)
     if device.type != "cuda":
         return False

@@ -90,6 +90,11 @@ def usable(device: torch.device, dtype: torch.dtype, vocab: int) -> bool:
     return (device, dtype, vocab) not in _given_up and _tried(device, dtype, vocab)
 
 
+def builds() -> int:
+    """How many (device, dtype, width) this process has built and tried the kernel for."""
+    return _tried.cache_info().misses
+
+
 def give_up(device: torch.device, dtype: torch.dtype, vocab: int) -> None:
     """A launch failed (the caller logs why): the torch ops guard these logits from now on."""
     _given_up.add((device, dtype, vocab))
