@@ -175,6 +175,8 @@ def prepare(device: torch.device | str, dtype: torch.dtype, width: int) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return False
+    if device.index is None:  # (the key a step's logits give: their device has its index)
+        device = torch.device("cuda", torch.cuda.current_device())
     from . import guard_kernel
 
     return guard_kernel.usable(device, dtype, width)
