@@ -49,14 +49,13 @@ def test_plugin_is_live_in_the_worker_process(llama):
 def test_the_logits_guard_is_prepared_at_load_for_the_logits_the_engine_makes(llama):
     # the guard's kernel is built when the model loads, for the logits compute_logits
     # returns (a build in the first traced step stalls it); the guess must be those logits
-    llm = llama.vllm_entrypoint
-    before = [p["guard_builds"] for p in llm.collective_rpc("nnsight_probe")]
     with llama.trace("The capital of Japan is", temperature=0.0, max_tokens=3) as tracer:
         steer_block(llama, tracer)  # (an edit: the guard checks this request's logits)
     with llama.trace("The capital of Japan is", temperature=0.0):
         logits = llama.logits.save()
-    probes = llm.collective_rpc("nnsight_probe")
-    assert [p["guard_builds"] for p in probes] == before  # the traced steps built nothing
+    probes = llama.vllm_entrypoint.collective_rpc("nnsight_probe")
+    # one build on CUDA, at load: no traced step built another (none at all elsewhere)
+    assert [p["guard_builds"] for p in probes] == [int(torch.cuda.is_available())]
     for probe in probes:
         dtype, width, kernel = probe["logits"]
         assert (dtype, width) == (str(logits.dtype), logits.shape[-1])

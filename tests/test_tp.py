@@ -213,6 +213,15 @@ def test_a_lora_adapter_under_tensor_parallel_reads_whole_values(tp_llama, gqa_p
     assert (adapted - base).abs().max() > 1e-2
 
 
+def test_only_the_first_rank_prepares_the_guards_kernel(tp_llama):
+    """The logits guard's kernel is built at load where it will be launched: tensor-parallel
+    rank 0 (the others make their rows finite with torch ops). Nothing is built here, on
+    the CPU, but what each rank prepared is recorded."""
+    probes = tp_llama.vllm_entrypoint.collective_rpc("nnsight_probe")
+    assert [p["logits"] is not None for p in probes] == [True, False]
+    assert all(p["guard_builds"] == int(torch.cuda.is_available()) * (i == 0) for i, p in enumerate(probes))
+
+
 def test_only_split_values_are_put_together(tp_llama):
     """Every rank counts the split values it put together (the lane-stats RPC): reading
     and steering the residual stream every step (replicated, as the GPU headline does)
@@ -634,6 +643,8 @@ def test_pipeline_parallel_traces_every_stage(tied_llama_path, hf_tied_llama):
                      **ENGINE_KWARGS)
     try:
         llm = model.vllm_entrypoint
+        # (only the last stage makes logits: only it prepares the logits guard's kernel)
+        assert [p["logits"] is not None for p in llm.collective_rpc("nnsight_probe")] == [False, True]
         v = torch.linspace(-1, 1, 128)
         # prompts of 90 tokens, three to a batch, 64 tokens a step: every one split by chunked
         # prefill; a read of stage 0 gets the whole prompt's rows, in order, and its steering
