@@ -67,3 +67,26 @@ def test_v2_falls_back_to_eager_when_only_full_graphs_exist():
         assert wrapped(None, 4, 4, None, 1, 0, need_eager=False)[0].cg_mode.name == "NONE"
     finally:
         runner_v2._graph_mode = None
+
+
+def test_v2_data_parallel_dispatches_a_tapped_step_once_and_eager():
+    """With data parallel each dispatch is a collective that every rank makes once per
+    step: a second try on one rank would pair with another step's on the others. So a
+    tapped step asks eager in one call (the ranks agree on the lowest mode asked)."""
+    calls = []
+
+    def dispatch_cg_and_sync_dp(manager, num_reqs, num_tokens, uniform_token_count, dp_size, dp_rank,
+                                need_eager=False, num_active_loras=0):
+        calls.append((uniform_token_count, dp_size, need_eager))
+        mode = "NONE" if need_eager else ("FULL" if uniform_token_count else "PIECEWISE")
+        return types.SimpleNamespace(cg_mode=types.SimpleNamespace(name=mode)), None
+
+    wrapped = runner_v2._dispatch(dispatch_cg_and_sync_dp)
+    try:
+        assert wrapped(None, 4, 4, 1, 2, 1, need_eager=False)[0].cg_mode.name == "FULL"  # untraced step
+        for mode in ("piecewise", "eager"):
+            runner_v2._graph_mode = mode
+            assert wrapped(None, 4, 4, 1, 2, 1, need_eager=False)[0].cg_mode.name == "NONE"
+    finally:
+        runner_v2._graph_mode = None
+    assert calls == [(1, 2, False), (1, 2, True), (1, 2, True)]  # one call per step

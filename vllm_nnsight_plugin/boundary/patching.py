@@ -117,8 +117,8 @@ PATCHED: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
 
 
 # wrapped module functions: (positional parameters after the first, keywords passed)
-PATCHED_FUNCTIONS = {(RUNNER_V2[0], V2_GRAPH_DISPATCH): (("num_reqs", "num_tokens", "uniform_token_count"),
-                                                        ("need_eager",))}
+PATCHED_FUNCTIONS = {(RUNNER_V2[0], V2_GRAPH_DISPATCH): (("num_reqs", "num_tokens", "uniform_token_count",
+                                                         "dp_size"), ("need_eager",))}
 
 
 _MARK = "__nnsight_wrapped__"

@@ -120,12 +120,17 @@ def _sample_tokens(original: Callable) -> Callable:
 
 
 def _dispatch(original: Callable) -> Callable:
+    """A step whose blocks may touch a tap is kept off full graphs (they would skip the
+    tap op): piecewise where a graph without the uniform-decode shortcut is not full,
+    else eager. With data parallel each call is an agreement across the ranks (a
+    collective every rank makes once per step), so there the step is asked eager in one
+    call: the ranks agree on the lowest mode any rank asked, so all of them run it eager."""
     def dispatch(manager: Any, num_reqs: int, num_tokens: int, uniform_token_count: Any,
                  *args: Any, **kwargs: Any) -> Any:
         if _graph_mode is None:
             return original(manager, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
-        # a full graph would skip the tap op: piecewise (the op runs between pieces) or eager
-        if _graph_mode == "piecewise":
+        dp_size = args[0] if args else kwargs.get("dp_size", 1)
+        if _graph_mode == "piecewise" and dp_size == 1:
             out = original(manager, num_reqs, num_tokens, None, *args, **kwargs)
             if not runners.v2_desc_is_full(out[0]):
                 return out
