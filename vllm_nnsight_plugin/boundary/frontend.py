@@ -113,8 +113,7 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
 
 def refuse_untraceable(vllm_config: Any) -> None:
     """Refuse every payload and edit on an engine the plugin cannot trace
-    (:func:`.configuration.untraceable`: speculative decoding; data-parallel
-    microbatching with taps)."""
+    (:func:`.configuration.untraceable`: speculative decoding)."""
     reason = configuration.untraceable(vllm_config) if vllm_config is not None else None
     if reason is not None:
         raise codec.PayloadError(reason)
