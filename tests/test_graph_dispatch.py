@@ -90,3 +90,25 @@ def test_v2_data_parallel_dispatches_a_tapped_step_once_and_eager():
     finally:
         runner_v2._graph_mode = None
     assert calls == [(1, 2, False), (1, 2, True), (1, 2, True)]  # one call per step
+
+
+def test_v2_data_parallel_keeps_a_tapped_step_off_microbatches():
+    """Where vLLM offers microbatching (dual-batch overlap), a microbatched step picks its
+    graph before the ranks' requested modes count: a tapped step votes no (one rank's no
+    keeps every rank off them). An untraced step's vote is vLLM's own."""
+    calls = []
+
+    def dispatch_cg_and_sync_dp(manager, num_reqs, num_tokens, uniform_token_count, dp_size, dp_rank,
+                                max_query_len=None, need_eager=False, num_active_loras=0,
+                                parallel_config=None, allow_ubatching=False, uniform_decode=False):
+        calls.append((need_eager, allow_ubatching))
+        return types.SimpleNamespace(cg_mode=types.SimpleNamespace(name="NONE" if need_eager else "FULL")), None
+
+    wrapped = runner_v2._dispatch(dispatch_cg_and_sync_dp)
+    try:
+        wrapped(None, 4, 4, 1, 2, 0, need_eager=False, allow_ubatching=True)
+        runner_v2._graph_mode = "piecewise"
+        wrapped(None, 4, 4, 1, 2, 0, need_eager=False, allow_ubatching=True)
+    finally:
+        runner_v2._graph_mode = None
+    assert calls == [(False, True), (True, False)]

@@ -124,7 +124,9 @@ def _dispatch(original: Callable) -> Callable:
     tap op): piecewise where a graph without the uniform-decode shortcut is not full,
     else eager. With data parallel each call is an agreement across the ranks (a
     collective every rank makes once per step), so there the step is asked eager in one
-    call: the ranks agree on the lowest mode any rank asked, so all of them run it eager."""
+    call, and without microbatches where vLLM offers them (a microbatched step picks its
+    graph before the ranks' modes count; one rank's no keeps every rank off them): the
+    ranks then agree on the lowest mode any rank asked, so all of them run it eager."""
     def dispatch(manager: Any, num_reqs: int, num_tokens: int, uniform_token_count: Any,
                  *args: Any, **kwargs: Any) -> Any:
         if _graph_mode is None:
@@ -135,6 +137,8 @@ def _dispatch(original: Callable) -> Callable:
             if not runners.v2_desc_is_full(out[0]):
                 return out
         kwargs["need_eager"] = True
+        if dp_size > 1 and "allow_ubatching" in kwargs:
+            kwargs["allow_ubatching"] = False
         return original(manager, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
 
     return dispatch
