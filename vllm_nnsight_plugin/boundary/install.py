@@ -28,6 +28,7 @@ def install() -> None:
         patching.when_class(queue, whole_prompts.install_queue)
     patching.when_class(patching.KV_CACHE_MANAGER, kv_blocks.install_kv_manager)
     patching.when_class(patching.BLOCK_POOL, kv_blocks.install_block_pool)
+    patching.when_class(patching.GPU_WORKER, kv_blocks.install_worker)
     patching.when_class(patching.INPUT_PROCESSOR, frontend.install)
     patching.when_class(patching.WORKER_BASE, rpc.install)
     patching.when_class(patching.ENGINE_CORE, rpc.install_engine_core)

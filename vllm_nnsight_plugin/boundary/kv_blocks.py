@@ -6,7 +6,8 @@ an attention kernel that masks the rest by multiplying with a zero probability s
 reads them, and 0 x NaN is NaN. So the scheduler remembers the blocks of every traced
 request (a request whose cache salt is the plugin's) when it frees them, and when the
 block pool hands such a block out again, the worker zeroes it before the step that
-uses it (with vLLM's own block zeroer where the runner has one). Blocks still in the
+uses it (on CUDA with vLLM's own block zeroer, built with its kernel before warm-up
+where vLLM built none, so no step stalls to build it). Blocks still in the
 prefix cache are only ever hit by requests with the same salt, and they are not
 zeroed while cached: zeroing happens only on a fresh allocation.
 """
@@ -92,6 +93,24 @@ def install_block_pool(pool_cls: type) -> None:
 
 
 # ----------------------------------------------------------------- worker
+
+KV_ZEROER = "_nnsight_kv_zeroer_at_load"  # on the runner: True where the zeroer was built before warm-up
+
+
+def _warming_up(original: Callable) -> Callable:
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runner = self.model_runner
+        runner.__dict__[KV_ZEROER] = runners.prepare_kv_zeroer(runner)
+        return original(self, *args, **kwargs)
+
+    return compile_or_warm_up_model
+
+
+def install_worker(worker_cls: type) -> None:
+    """GPU workers: the zeroer and its kernel are built after the KV cache is allocated
+    (outside sleep mode's memory pool, where vLLM builds its own) and before warm-up."""
+    patching.patch_method(worker_cls, "compile_or_warm_up_model", _warming_up)
+
 
 
 def zero_reused_blocks(runner: Any, scheduler_output: Any) -> None:

@@ -58,6 +58,9 @@ INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
 
 
+GPU_WORKER = ("vllm.v1.worker.gpu_worker", "Worker")  # compile_or_warm_up_model: after the KV cache, before graphs
+
+
 ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
 
 
@@ -103,6 +106,7 @@ PATCHED: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
     **{queue: {"peek_request": ("self",)} for queue in WAITING_QUEUES},
     KV_CACHE_MANAGER: {name: ("self", "request") for name in KV_MANAGER_FREES},
     BLOCK_POOL: {BLOCK_POOL_ALLOCATE: ("self", "num_blocks")},
+    GPU_WORKER: {"compile_or_warm_up_model": ("self",)},
     INPUT_PROCESSOR: {"process_inputs": ("self", "request_id", "prompt", "params")},
     MSGPACK_DECODER: {"decode": ("self", "bufs")},
     OUTPUT_PROCESSOR: {"process_outputs": ("self", "engine_core_outputs"),
