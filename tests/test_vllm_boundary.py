@@ -150,10 +150,17 @@ def test_attributes_read_with_a_default_exist():
     quietly switch a part off rather than fail): each is still set by this vLLM."""
     from vllm.v1.core.sched import output, scheduler
     from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker import utils as worker_utils
 
     runner = inspect.getsource(gpu_model_runner)
     assert "self.cudagraph_dispatcher =" in runner  # runners.guard_v1_dispatcher: taps under full graphs
-    assert "self._kv_block_zeroer =" in runner or "self.kv_block_zeroer =" in runner  # runners.zero_kv_blocks
+    # kv_zeroing: vLLM's zeroer, built by the runner onto one of two attributes; covering
+    # nothing where its _meta is None
+    assert "def _init_kv_zero_meta" in runner and "self._kv_block_zeroer =" in runner
+    assert "self.kv_caches" in runner and "self.kv_cache_config =" in runner
+    assert "self._meta = None" in inspect.getsource(worker_utils.KVBlockZeroer)
+    runner_v2 = (pathlib.Path(gpu_model_runner.__file__).parent / "gpu" / "model_runner.py").read_text()
+    assert "def _init_kv_zero_meta" in runner_v2 and "self.kv_block_zeroer =" in runner_v2
     assert "resumed_req_ids" in inspect.signature(output.CachedRequestData).parameters  # runners.resumed_ids
     queues = set(re.findall(r"self\.(\w+) = create_request_queue", inspect.getsource(scheduler.Scheduler.__init__)))
     assert "waiting" in queues and queues <= set(engine_core.WAITING_QUEUES), queues  # engine_core.waiting_requests

@@ -6,8 +6,7 @@ an attention kernel that masks the rest by multiplying with a zero probability s
 reads them, and 0 x NaN is NaN. So the scheduler remembers the blocks of every traced
 request (a request whose cache salt is the plugin's) when it frees them, and when the
 block pool hands such a block out again, the worker zeroes it before the step that
-uses it (on CUDA with vLLM's own block zeroer, built with its kernel before warm-up
-where vLLM built none, so no step stalls to build it). Blocks still in the
+uses it (:mod:`.kv_zeroing`: how, chosen before warm-up). Blocks still in the
 prefix cache are only ever hit by requests with the same salt, and they are not
 zeroed while cached: zeroing happens only on a fresh allocation.
 """
@@ -17,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import engine_core, patching, runners, whole_prompts
+from . import engine_core, kv_zeroing, patching, whole_prompts
 from .whole_prompts import traced
 
 DIRTY = "_nnsight_dirty_blocks"  # on the block pool: ids freed by traced requests
@@ -94,27 +93,22 @@ def install_block_pool(pool_cls: type) -> None:
 
 # ----------------------------------------------------------------- worker
 
-KV_ZEROER = "_nnsight_kv_zeroer_at_load"  # on the runner: True where the zeroer was built before warm-up
-
-
 def _warming_up(original: Callable) -> Callable:
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        runner = self.model_runner
-        runner.__dict__[KV_ZEROER] = runners.prepare_kv_zeroer(runner)
+        kv_zeroing.prepare(self.model_runner)
         return original(self, *args, **kwargs)
 
     return compile_or_warm_up_model
 
 
 def install_worker(worker_cls: type) -> None:
-    """GPU workers: the zeroer and its kernel are built after the KV cache is allocated
-    (outside sleep mode's memory pool, where vLLM builds its own) and before warm-up."""
+    """GPU workers choose (and build) how they zero blocks after the KV cache is allocated
+    (outside sleep mode's memory pool, where vLLM builds its own zeroer) and before warm-up."""
     patching.patch_method(worker_cls, "compile_or_warm_up_model", _warming_up)
-
 
 
 def zero_reused_blocks(runner: Any, scheduler_output: Any) -> None:
     """Before a step: zero the blocks traced requests held that are now handed out again."""
     ids = getattr(scheduler_output, ZERO_ATTR, None)
     if ids:
-        runners.zero_kv_blocks(runner, ids)
+        kv_zeroing.zero(runner, ids)

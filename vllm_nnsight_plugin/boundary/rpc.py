@@ -30,10 +30,10 @@ def nnsight_probe(self: Any) -> dict[str, Any]:
     """Proof that the plugin is live in this worker process, and what it prepared at
     model load: the logits' dtype and width and whether the guard's kernel takes them
     (None on a worker that guards no logits with it), how many builds of that
-    kernel this process has made, and whether vLLM's KV-block zeroer was ready before
-    warm-up (None where the worker's warm-up is not the GPU worker's)."""
+    kernel this process has made, and how it zeroes the KV blocks traced requests freed
+    (:mod:`.kv_zeroing`)."""
     from ..engine import guard_kernel
-    from . import kv_blocks, patching, runner_v1, runners
+    from . import kv_zeroing, patching, runner_v1, runners
 
     runner_cls = type(self.model_runner)
     v2 = runners.is_v2_runner(self.model_runner)
@@ -45,7 +45,7 @@ def nnsight_probe(self: Any) -> dict[str, Any]:
         "v2": v2,
         "logits": self.model_runner.__dict__.get(runner_v1.LOGITS),
         "guard_builds": guard_kernel.builds(),
-        "kv_zeroer": self.model_runner.__dict__.get(kv_blocks.KV_ZEROER),
+        "kv_zeroing": kv_zeroing.method_of(self.model_runner),
         "patched": all(
             patching.is_patched(cls, name)
             for name in names

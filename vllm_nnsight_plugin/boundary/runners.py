@@ -1,6 +1,5 @@
 """The model runners' state (V1 ``GPUModelRunner`` and Model Runner V2): a step's
-requests and rows, which requests may finish, where results ride the runner output,
-the KV block zeroer.
+requests and rows, which requests may finish, where results ride the runner output.
 """
 
 from __future__ import annotations
@@ -282,54 +281,3 @@ def intermediate_tensors_of(runner_output: Any) -> dict[str, Any] | None:
 
 def take_results(model_runner_output: Any) -> dict | None:
     return getattr(model_runner_output, "nnsight", None)
-
-
-def _kv_zeroer(runner: Any, create: bool) -> Any:
-    """vLLM's KV-block zeroer of this runner (V2: kv_block_zeroer; V1: _kv_block_zeroer),
-    built (``create``) on a CUDA runner that has none: vLLM builds one only when it needs one."""
-    def zeroer_of() -> Any:
-        return getattr(runner, "kv_block_zeroer", None) or getattr(runner, "_kv_block_zeroer", None)
-
-    zeroer = zeroer_of()
-    if zeroer is None and create and getattr(getattr(runner, "device", None), "type", "cpu") == "cuda" \
-            and hasattr(runner, "_init_kv_zero_meta"):
-        runner._init_kv_zero_meta()
-        zeroer = zeroer_of()
-    return zeroer
-
-
-def prepare_kv_zeroer(runner: Any) -> bool:
-    """Before warm-up (the KV cache exists, no step has run): build vLLM's KV-block zeroer
-    and its Triton kernel, by zeroing block 0 (vLLM's null block, never read for a
-    token), so the first step that reuses a traced request's blocks builds nothing.
-    False where there is no zeroer (no CUDA, or no vLLM zeroer to build)."""
-    zeroer = _kv_zeroer(runner, create=True)
-    if zeroer is None:
-        return False
-    zeroer.zero_block_ids([0])
-    return True
-
-
-def zero_kv_blocks(runner: Any, block_ids: list[int]) -> None:
-    """Zero KV cache blocks in every layer, with vLLM's own zeroer where the runner has
-    one (it knows each backend's layout), else along the dimension of size num_blocks."""
-    zeroer = _kv_zeroer(runner, create=True)
-    if zeroer is not None:
-        zeroer.zero_block_ids(list(block_ids))
-        return
-    if type(runner).__name__ == "CPUModelRunner" and hasattr(runner, "_zero_block_ids"):
-        runner._zero_block_ids(list(block_ids))
-        return
-    import torch
-
-    num_blocks = runner.kv_cache_config.num_blocks
-    index = None
-    for kv in runner.kv_caches:
-        tensors = kv if isinstance(kv, (list, tuple)) else [kv]
-        for t in tensors:
-            dim = next((d for d, n in enumerate(t.shape) if n == num_blocks), None)
-            if dim is None:
-                continue
-            if index is None or index.device != t.device:
-                index = torch.tensor(block_ids, device=t.device)
-            t.index_fill_(dim, index, 0)
