@@ -4,7 +4,9 @@ block ends only its own request."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,9 +62,19 @@ def test_the_logits_guard_is_prepared_at_load_for_the_logits_the_engine_makes(ll
         dtype, width, kernel = probe["logits"]
         assert (dtype, width) == (str(logits.dtype), logits.shape[-1])
         assert kernel == torch.cuda.is_available()  # (Triton on CUDA; the torch ops elsewhere)
-        # the blocks a traced request freed: on CUDA vLLM's zeroer, built before warm-up
-        # (this Llama's layers are all full attention); the CPU runner's own elsewhere
-        assert probe["kv_zeroing"] == ("vllm" if torch.cuda.is_available() else "cpu")
+
+
+
+def test_the_kv_blocks_a_traced_request_frees_are_zeroed_in_every_layer(llama, llama_path):
+    # found when the KV cache was allocated: one tensor per attention layer, whose blocks
+    # dimension holds the pool's blocks whole (the fills themselves: test_kv_zeroing.py)
+    layers = json.loads((Path(llama_path) / "config.json").read_text())["num_hidden_layers"]
+    blocks = llama.vllm_entrypoint.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    for probe in llama.vllm_entrypoint.collective_rpc("nnsight_probe"):
+        found = probe["kv_layers"]
+        assert found is not None and len(found) == layers, found
+        for shape, dim, ratio in found:
+            assert shape[dim] == blocks * ratio, (shape, dim, ratio, blocks)
 
 
 def test_untraced_neighbours_are_bit_identical(llama):

@@ -5,6 +5,7 @@ parameters its wrappers expect: a vLLM upgrade that moves one fails here, naming
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import pathlib
@@ -154,13 +155,13 @@ def test_attributes_read_with_a_default_exist():
 
     runner = inspect.getsource(gpu_model_runner)
     assert "self.cudagraph_dispatcher =" in runner  # runners.guard_v1_dispatcher: taps under full graphs
-    # kv_zeroing: vLLM's zeroer, built by the runner onto one of two attributes; covering
-    # nothing where its _meta is None
-    assert "def _init_kv_zero_meta" in runner and "self._kv_block_zeroer =" in runner
-    assert "self.kv_caches" in runner and "self.kv_cache_config =" in runner
-    assert "self._meta = None" in inspect.getsource(worker_utils.KVBlockZeroer)
+    # kv_zeroing: each runner's attention groups and kernel block sizes, each group's fields
+    assert "def _kv_cache_spec_attn_group_iterator" in runner and "self._kernel_block_sizes =" in runner
+    assert "self.runner_only_attn_layers" in runner
     runner_v2 = (pathlib.Path(gpu_model_runner.__file__).parent / "gpu" / "model_runner.py").read_text()
-    assert "def _init_kv_zero_meta" in runner_v2 and "self.kv_block_zeroer =" in runner_v2
+    assert re.search(r"self\.attn_groups,[^=]*self\.kernel_block_sizes,?\s*\)?\s*= init_attn_backend", runner_v2)
+    fields = {f.name for f in dataclasses.fields(worker_utils.AttentionGroup)}
+    assert {"backend", "layer_names", "kv_cache_spec", "kv_cache_group_id"} <= fields, fields
     assert "resumed_req_ids" in inspect.signature(output.CachedRequestData).parameters  # runners.resumed_ids
     queues = set(re.findall(r"self\.(\w+) = create_request_queue", inspect.getsource(scheduler.Scheduler.__init__)))
     assert "waiting" in queues and queues <= set(engine_core.WAITING_QUEUES), queues  # engine_core.waiting_requests

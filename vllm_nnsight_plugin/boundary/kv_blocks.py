@@ -6,7 +6,7 @@ an attention kernel that masks the rest by multiplying with a zero probability s
 reads them, and 0 x NaN is NaN. So the scheduler remembers the blocks of every traced
 request (a request whose cache salt is the plugin's) when it frees them, and when the
 block pool hands such a block out again, the worker zeroes it before the step that
-uses it (:mod:`.kv_zeroing`: how, chosen before warm-up). Blocks still in the
+uses it (how: :mod:`.kv_zeroing`). Blocks still in the
 prefix cache are only ever hit by requests with the same salt, and they are not
 zeroed while cached: zeroing happens only on a fresh allocation.
 """
@@ -93,18 +93,18 @@ def install_block_pool(pool_cls: type) -> None:
 
 # ----------------------------------------------------------------- worker
 
-def _warming_up(original: Callable) -> Callable:
-    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        kv_zeroing.prepare(self.model_runner)
-        return original(self, *args, **kwargs)
+def _allocating(original: Callable) -> Callable:
+    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        kv_zeroing.prepare(self)
+        return out
 
-    return compile_or_warm_up_model
+    return initialize_kv_cache
 
 
-def install_worker(worker_cls: type) -> None:
-    """GPU workers choose (and build) how they zero blocks after the KV cache is allocated
-    (outside sleep mode's memory pool, where vLLM builds its own zeroer) and before warm-up."""
-    patching.patch_method(worker_cls, "compile_or_warm_up_model", _warming_up)
+def install_runner(runner_cls: type) -> None:
+    """Each runner finds how to zero its layers' blocks once its KV cache exists."""
+    patching.patch_method(runner_cls, "initialize_kv_cache", _allocating)
 
 
 def zero_reused_blocks(runner: Any, scheduler_output: Any) -> None:

@@ -1,134 +1,109 @@
-"""How a worker zeroes the KV blocks a traced request freed (:mod:`.kv_blocks` says why),
-chosen once before warm-up, so no step builds or compiles anything to do it:
+"""How a worker zeroes the KV blocks a traced request freed (:mod:`.kv_blocks` says why).
 
-- ``vllm``: a private instance of vLLM's KV-block zeroer (one Triton kernel over every
-  layer), where it covers every layer: only full-attention KV groups (it skips
-  sliding-window, chunked-local, cross-attention and Mamba layers) and no cross-layer
-  KV layout (its per-layer segments would overrun into the next block). Its kernel is
-  compiled for every block count it specialises on, on block 0 (vLLM's null block,
-  never a token's). Private: vLLM's own zeroer (Mamba models) rotates its pinned id
-  buffers once per step, and a second caller would overwrite one still being copied.
-- ``layers``: one ``index_fill_`` per KV tensor along its blocks dimension (views of a
-  cross-layer tensor included); where the zeroer does not cover every layer.
-- ``cpu``: the CPU runner's own ``_zero_block_ids``.
-- ``none``: a KV tensor with no dimension of the pool's size; logged at load, because
-  an edit's NaN in a freed block could then reach the next owner.
+One way on every runner and device: an ``index_fill_`` with 0 per attention layer's
+KV tensor, along its blocks dimension, over the kernel blocks of each freed block.
+What each layer needs is found once, when the runner allocates its KV cache, from
+vLLM's own account of it (the attention groups, each backend's blocks dimension, the
+kernel block size): every attention layer, sliding-window and cross-attention ones
+too, on any layout, packed ones included (each layer's tensor is a view that skips
+the other layers' bytes). Mamba layers are left alone: a request's state there starts
+fresh. Nothing is compiled, and a step with blocks to zero takes one upload of their
+ids (pinned, not waited on) and one fill per layer.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 
-METHOD = "_nnsight_kv_zeroing"  # on the runner: (method name, the zeroer or None)
-_VLLM_ATTRS = ("kv_block_zeroer", "_kv_block_zeroer")  # V2, V1: where _init_kv_zero_meta puts it
-_WARM_COUNTS = (1, 2, 16)  # Triton specialises an int argument on 1 and on multiples of 16
+LAYERS = "_nnsight_kv_layers"  # on the runner: the layers to zero (None: not known, nothing zeroed)
 
 
-def prepare(runner: Any) -> str:
-    """Pick (and for ``vllm`` build and compile) this runner's way; before warm-up."""
-    zeroer = _private_vllm_zeroer(runner) if _zeroer_covers_every_layer(runner) else None
-    if zeroer is not None:
-        for count in _WARM_COUNTS:
-            zeroer.zero_block_ids([0] * count)
-        runner.__dict__[METHOD] = ("vllm", zeroer)
+class Layer(NamedTuple):
+    tensor: Any  # the layer's KV cache (a view)
+    dim: int  # its blocks dimension
+    ratio: int  # kernel blocks per block of vLLM's pool (block b: kernel blocks b*ratio ... b*ratio+ratio-1)
+
+
+def prepare(runner: Any) -> None:
+    """After the runner allocated its KV cache: find each attention layer's tensor."""
+    try:
+        layers = find_layers(runner)
+    except Exception as exc:  # noqa: BLE001 - a layout this code does not know
+        layers, why = None, f"{type(exc).__name__}: {exc}"
     else:
-        runner.__dict__[METHOD] = (_fallback(runner), None)
-    if runner.__dict__[METHOD][0] == "none":
-        logger.error("the KV cache has a tensor with no dimension of %s blocks: blocks that traced requests "
-                     "edited are not zeroed before reuse", _num_blocks(runner))
-    return runner.__dict__[METHOD][0]
+        why = "a layer's blocks dimension is not a multiple of the pool's blocks"
+    runner.__dict__[LAYERS] = layers
+    if layers is None:
+        logger.error("blocks that traced requests edited cannot be zeroed before reuse (%s)", why)
 
 
-def method_of(runner: Any) -> str:
-    """The way chosen before warm-up; where no warm-up chose one (the CPU worker's own),
-    the fallback, which builds nothing."""
-    chosen = runner.__dict__.get(METHOD)
-    if chosen is None:
-        chosen = runner.__dict__[METHOD] = (_fallback(runner), None)
-    return chosen[0]
+def layers_of(runner: Any) -> list[Layer] | None:
+    return runner.__dict__.get(LAYERS)
 
 
 def zero(runner: Any, block_ids: list[int]) -> None:
-    method_of(runner)
-    method, zeroer = runner.__dict__[METHOD]
-    if method == "vllm":
-        zeroer.zero_block_ids(list(block_ids))
-    elif method == "cpu":
-        runner._zero_block_ids(list(block_ids))
-    elif method == "layers":
-        zero_layers(runner.kv_caches, _num_blocks(runner), block_ids)
+    zero_layers(layers_of(runner) or [], block_ids)
 
 
-def zero_layers(kv_caches: list[Any], num_blocks: int, block_ids: list[int]) -> None:
-    """``index_fill_`` with 0 along each KV tensor's dimension of ``num_blocks``."""
+def zero_layers(layers: list[Layer], block_ids: list[int]) -> None:
     import torch
 
-    index = None
-    for tensor in _tensors(kv_caches):
-        dim = _blocks_dim(tensor, num_blocks)
-        if dim is None:
+    indexes: dict[tuple[int, Any], Any] = {}
+    for layer in layers:
+        key = (layer.ratio, layer.tensor.device)
+        index = indexes.get(key)
+        if index is None:
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            if layer.ratio > 1:
+                ids = (ids[:, None] * layer.ratio + torch.arange(layer.ratio)).flatten()
+            if layer.tensor.device.type == "cuda":  # (pinned and not waited on: the CPU runs ahead)
+                ids = ids.pin_memory()
+            index = indexes[key] = ids.to(layer.tensor.device, non_blocking=True)
+        layer.tensor.index_fill_(layer.dim, index, 0)
+
+
+def find_layers(runner: Any) -> list[Layer] | None:
+    """Each attention layer's KV tensor, blocks dimension and kernel blocks per block;
+    None where a tensor's blocks dimension does not hold the pool's blocks whole."""
+    import torch
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups, kernel_block_sizes = _attention_groups(runner)
+    context = runner.compilation_config.static_forward_context
+    num_blocks = runner.kv_cache_config.num_blocks
+    runner_only = getattr(runner, "runner_only_attn_layers", None) or set()
+    cache_dtype = runner.cache_config.cache_dtype
+    layers: list[Layer] = []
+    seen: set[tuple] = set()
+    for group in groups:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec) or group.kv_cache_group_id >= len(kernel_block_sizes):
             continue
-        if index is None or index.device != tensor.device:
-            index = torch.tensor(block_ids, device=tensor.device)
-        tensor.index_fill_(dim, index, 0)
+        kernel_block_size = kernel_block_sizes[group.kv_cache_group_id]
+        for name in group.layer_names:
+            kv = getattr(context.get(name), "kv_cache", None)
+            if name in runner_only or not isinstance(kv, torch.Tensor):
+                continue
+            if getattr(group, "kernel_block_stride", 0):  # (vLLM 0.32's packed layout: a view by pool blocks)
+                kv, dim = group.map_kv_cache_to_manager_blocks(kv, num_blocks), 0
+            elif hasattr(group.backend, "get_kv_cache_block_dim"):  # (vLLM 0.26: the backend's layout)
+                dim = group.backend.get_kv_cache_block_dim(kernel_block_size, spec.num_kv_heads, spec.head_size,
+                                                           cache_dtype_str=cache_dtype)
+            else:  # (vLLM 0.32: blocks first)
+                dim = 0
+            if kv.shape[dim] % num_blocks:
+                return None
+            key = (kv.data_ptr(), dim, tuple(kv.shape), kv.stride())
+            if key not in seen:  # (layers that share a KV cache)
+                seen.add(key)
+                layers.append(Layer(kv, dim, kv.shape[dim] // num_blocks))
+    return layers
 
 
-def _fallback(runner: Any) -> str:
-    if type(runner).__name__ == "CPUModelRunner" and hasattr(runner, "_zero_block_ids"):
-        return "cpu"
-    num_blocks = _num_blocks(runner)
-    tensors = list(_tensors(getattr(runner, "kv_caches", None) or []))
-    if all(_blocks_dim(t, num_blocks) is not None for t in tensors):  # (no KV cache: nothing to zero)
-        return "layers"
-    return "none"
-
-
-def _zeroer_covers_every_layer(runner: Any) -> bool:
-    if getattr(getattr(runner, "device", None), "type", "cpu") != "cuda" \
-            or not hasattr(runner, "_init_kv_zero_meta") \
-            or getattr(runner, "cross_layers_kv_cache", None) is not None:
-        return False
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
-
-    def full(spec: Any) -> bool:
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            return all(full(s) for s in spec.kv_cache_specs.values())
-        return isinstance(spec, FullAttentionSpec)
-
-    groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None) or []
-    return bool(groups) and all(full(g.kv_cache_spec) for g in groups)
-
-
-def _private_vllm_zeroer(runner: Any) -> Any:
-    """vLLM's ``_init_kv_zero_meta`` builds onto the runner; take the zeroer and put back
-    what the runner held. None where it fails (e.g. unequal page sizes) or covers nothing."""
-    saved = {name: runner.__dict__[name] for name in _VLLM_ATTRS if name in runner.__dict__}
-    built = None
-    try:
-        runner._init_kv_zero_meta()
-        built = next((runner.__dict__[n] for n in _VLLM_ATTRS if runner.__dict__.get(n) is not None), None)
-    except Exception as exc:  # noqa: BLE001 - vLLM's zeroer asserts what it supports
-        logger.info("vLLM's KV-block zeroer does not fit this model (%s); zeroing layer by layer", exc)
-    finally:
-        for name in _VLLM_ATTRS:
-            runner.__dict__.pop(name, None)
-        runner.__dict__.update(saved)
-    if built is None or getattr(built, "_meta", None) is None:
-        return None
-    return built
-
-
-def _num_blocks(runner: Any) -> int | None:
-    return getattr(getattr(runner, "kv_cache_config", None), "num_blocks", None)
-
-
-def _tensors(kv_caches: Any) -> Any:
-    for kv in kv_caches:
-        yield from (kv if isinstance(kv, (list, tuple)) else [kv])
-
-
-def _blocks_dim(tensor: Any, num_blocks: int | None) -> int | None:
-    return next((d for d, n in enumerate(tensor.shape) if n == num_blocks), None)
+def _attention_groups(runner: Any) -> tuple[list[Any], list[int]]:
+    if hasattr(runner, "_kv_cache_spec_attn_group_iterator"):  # V1 runner (and the CPU runner)
+        return list(runner._kv_cache_spec_attn_group_iterator()), list(runner._kernel_block_sizes)
+    return [g for groups in runner.attn_groups for g in groups], list(runner.kernel_block_sizes)  # V2

@@ -58,9 +58,6 @@ INPUT_PROCESSOR = ("vllm.v1.engine.input_processor", "InputProcessor")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
 
 
-GPU_WORKER = ("vllm.v1.worker.gpu_worker", "Worker")  # compile_or_warm_up_model: after the KV cache, before graphs
-
-
 ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
 
 
@@ -97,16 +94,17 @@ APP_ROUTE_HOOKS = (
 # against the installed vLLM, so an upgrade that renames one fails in one named place.
 PATCHED: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
     RUNNER_V1: {"load_model": ("self",), V1_GRAPH_DISPATCH: ("self",), "execute_model": ("self", "scheduler_output"),
-                "_model_forward": ("self",), "_sample": ("self",), "sample_tokens": ("self",)},
+                "_model_forward": ("self",), "_sample": ("self",), "sample_tokens": ("self",),
+                "initialize_kv_cache": ("self", "kv_cache_config")},
     RUNNER_CPU: {"load_model": ("self",)},
     RUNNER_V2: {"load_model": ("self",), "execute_model": ("self", "scheduler_output"),
-                "prepare_inputs": ("self", "scheduler_output"), "sample": ("self",), "sample_tokens": ("self",)},
+                "prepare_inputs": ("self", "scheduler_output"), "sample": ("self",), "sample_tokens": ("self",),
+                "initialize_kv_cache": ("self", "kv_cache_config")},
     SCHEDULER: {"update_from_output": ("self", "scheduler_output", "model_runner_output"), "schedule": ("self",),
                 SCHEDULER_REQUEST_UPDATE: ("self", "request", "new_token_ids")},
     **{queue: {"peek_request": ("self",)} for queue in WAITING_QUEUES},
     KV_CACHE_MANAGER: {name: ("self", "request") for name in KV_MANAGER_FREES},
     BLOCK_POOL: {BLOCK_POOL_ALLOCATE: ("self", "num_blocks")},
-    GPU_WORKER: {"compile_or_warm_up_model": ("self",)},
     INPUT_PROCESSOR: {"process_inputs": ("self", "request_id", "prompt", "params")},
     MSGPACK_DECODER: {"decode": ("self", "bufs")},
     OUTPUT_PROCESSOR: {"process_outputs": ("self", "engine_core_outputs"),

@@ -30,10 +30,10 @@ def nnsight_probe(self: Any) -> dict[str, Any]:
     """Proof that the plugin is live in this worker process, and what it prepared at
     model load: the logits' dtype and width and whether the guard's kernel takes them
     (None on a worker that guards no logits with it), how many builds of that
-    kernel this process has made, and how it zeroes the KV blocks traced requests freed
-    (:mod:`.kv_zeroing`)."""
+    kernel this process has made, and the KV tensors it zeroes for blocks traced
+    requests freed (shape, blocks dimension, kernel blocks per block: :mod:`.kv_zeroing`)."""
     from ..engine import guard_kernel
-    from . import kv_zeroing, patching, runner_v1, runners
+    from . import patching, runner_v1, runners
 
     runner_cls = type(self.model_runner)
     v2 = runners.is_v2_runner(self.model_runner)
@@ -45,13 +45,20 @@ def nnsight_probe(self: Any) -> dict[str, Any]:
         "v2": v2,
         "logits": self.model_runner.__dict__.get(runner_v1.LOGITS),
         "guard_builds": guard_kernel.builds(),
-        "kv_zeroing": kv_zeroing.method_of(self.model_runner),
+        "kv_layers": _kv_layers(self.model_runner),
         "patched": all(
             patching.is_patched(cls, name)
             for name in names
             for cls in [next(c for c in runner_cls.__mro__ if name in c.__dict__)]
         ),
     }
+
+
+def _kv_layers(runner: Any) -> list[list[Any]] | None:
+    from .kv_zeroing import layers_of
+
+    layers = layers_of(runner)
+    return None if layers is None else [[list(layer.tensor.shape), layer.dim, layer.ratio] for layer in layers]
 
 
 def nnsight_stats(self: Any) -> dict[str, int]:
