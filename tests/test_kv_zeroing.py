@@ -23,8 +23,8 @@ def _block(tensor: torch.Tensor, dim: int, ratio: int, block: int) -> torch.Tens
 def _cases() -> dict[str, list[Layer]]:
     packed = torch.randn(N, 3, 2, 4, 2, 32)  # (blocks, layers, k/v, block size, heads, head size)
     return {
-        "k/v first (FlashAttention)": [Layer(torch.randn(2, N, 4, 2, 32), 1, 1) for _ in range(3)],
-        "blocks first (FlashInfer, the CPU)": [Layer(torch.randn(N, 2, 4, 2, 32), 0, 1) for _ in range(3)],
+        "blocks second": [Layer(torch.randn(2, N, 4, 2, 32), 1, 1) for _ in range(3)],
+        "blocks first (vLLM 0.32, the CPU)": [Layer(torch.randn(N, 2, 4, 2, 32), 0, 1) for _ in range(3)],
         "MLA (blocks, slots, dim)": [Layer(torch.randn(N, 16, 96), 0, 1) for _ in range(3)],
         "views of a packed cache": [Layer(packed[:, layer], 0, 1) for layer in range(3)],
         "4 kernel blocks per pool block": [Layer(torch.randn(2, 4 * N, 4, 2, 32), 1, 4) for _ in range(3)],
@@ -54,3 +54,21 @@ def test_a_packed_caches_other_bytes_stay():
     zero_layers([Layer(packed[:, 0], 0, 1), Layer(packed[:, 1], 0, 1)], FREED)
     assert torch.count_nonzero(packed[FREED, :2]) == 0
     assert torch.equal(packed[:, 2], keep)
+
+
+@pytest.mark.parametrize("spelled", ["keyword", "positional"])
+def test_no_view_of_vllms_throwaway_profiling_cache_is_held(spelled):
+    # vLLM allocates a small KV cache to profile CUDA graphs' memory and frees it by
+    # dropping its references: a view kept here would keep its memory in use
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.boundary import kv_blocks, kv_zeroing
+
+    allocate = kv_blocks._allocating(lambda self, *args, **kwargs: None)
+    runner = SimpleNamespace()
+    runner.__dict__[kv_zeroing.LAYERS] = [Layer(torch.zeros(N, 4), 0, 1)]  # (an earlier cache's)
+    if spelled == "keyword":
+        allocate(runner, "config", is_profiling=True)
+    else:
+        allocate(runner, "config", True)
+    assert kv_zeroing.layers_of(runner) is None

@@ -96,7 +96,10 @@ def install_block_pool(pool_cls: type) -> None:
 def _allocating(original: Callable) -> Callable:
     def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
-        kv_zeroing.prepare(self)
+        if kwargs.get("is_profiling", args[1] if len(args) > 1 else False):
+            kv_zeroing.forget(self)  # (a throwaway cache vLLM frees by dropping it: hold no view of it)
+        else:
+            kv_zeroing.prepare(self)
         return out
 
     return initialize_kv_cache

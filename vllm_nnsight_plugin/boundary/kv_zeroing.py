@@ -5,10 +5,12 @@ KV tensor, along its blocks dimension, over the kernel blocks of each freed bloc
 What each layer needs is found once, when the runner allocates its KV cache, from
 vLLM's own account of it (the attention groups, each backend's blocks dimension, the
 kernel block size): every attention layer, sliding-window and cross-attention ones
-too, on any layout, packed ones included (each layer's tensor is a view that skips
-the other layers' bytes). Mamba layers are left alone: a request's state there starts
-fresh. Nothing is compiled, and a step with blocks to zero takes one upload of their
-ids (pinned, not waited on) and one fill per layer.
+too, packed layouts included (each layer's tensor is a view that skips the other
+layers' bytes). Mamba layers are left alone: a request's state there starts fresh.
+Where a layer's blocks dimension does not hold the pool's blocks whole, nothing is
+zeroed, and that is logged as an error when the cache is allocated. Nothing is
+compiled, and a step with blocks to zero takes one upload of their ids (pinned, not
+waited on) and one fill per layer.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def prepare(runner: Any) -> None:
     runner.__dict__[LAYERS] = layers
     if layers is None:
         logger.error("blocks that traced requests edited cannot be zeroed before reuse (%s)", why)
+
+
+def forget(runner: Any) -> None:
+    runner.__dict__.pop(LAYERS, None)
 
 
 def layers_of(runner: Any) -> list[Layer] | None:
@@ -85,8 +91,8 @@ def find_layers(runner: Any) -> list[Layer] | None:
         kernel_block_size = kernel_block_sizes[group.kv_cache_group_id]
         for name in group.layer_names:
             kv = getattr(context.get(name), "kv_cache", None)
-            if name in runner_only or not isinstance(kv, torch.Tensor):
-                continue
+            if name in runner_only or not isinstance(kv, torch.Tensor) or kv.device.type != runner.device.type:
+                continue  # (a host-resident cache holds other blocks than the pool's)
             if getattr(group, "kernel_block_stride", 0):  # (vLLM 0.32's packed layout: a view by pool blocks)
                 kv, dim = group.map_kv_cache_to_manager_blocks(kv, num_blocks), 0
             elif hasattr(group.backend, "get_kv_cache_block_dim"):  # (vLLM 0.26: the backend's layout)
