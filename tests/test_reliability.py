@@ -175,6 +175,36 @@ def test_a_traced_request_with_its_own_cache_salt_is_still_traced(llama):
         _assert_same(llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False), reference)
 
 
+@pytest.fixture(scope="module")
+def sliding(ckpt_root):
+    """A Mistral whose every layer attends over a 16-token window (vLLM's sliding-window KV)."""
+    from conftest import ENGINE_KWARGS
+
+    from vllm_nnsight_plugin import VLLM, tiny
+
+    model = VLLM(str(tiny.ensure("mistral_sliding", ckpt_root)), dispatch=True, dtype="float32",
+                 max_model_len=512, max_num_seqs=32, enable_prefix_caching=True, seed=0, **ENGINE_KWARGS)
+    yield model
+    model.shutdown()
+
+
+def test_sliding_window_layers_blocks_are_zeroed_too(sliding):
+    """vLLM's own block zeroing covers full-attention layers only; the plugin's covers
+    every attention layer (without it the later requests here differ)."""
+    llm = sliding.vllm_entrypoint
+    assert llm.llm_engine.vllm_config.model_config.get_sliding_window() == 16
+    layers = [p["kv_layers"] for p in llm.collective_rpc("nnsight_probe")]
+    assert all(found is not None and len(found) == 4 for found in layers), layers
+    reference = llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False)
+    poisoned = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                              extra_args={"nnsight": _spec(*OVERFLOW[0])})
+    for out in llm.generate(PROMPTS, [poisoned] * 3, use_tqdm=False):
+        with pytest.raises(InterventionError, match="NaN or inf"):
+            results(out)
+    for _ in range(2):
+        _assert_same(llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False), reference)
+
+
 # ----------------------------------------------------------------- the validator
 
 

@@ -21,7 +21,8 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
 ]
 
-KINDS = ("llama", "llama_tied", "gpt2", "llama_gqa", "llama_mqa", "mixtral", "qwen2_moe", "falcon")  # llama_gqa:
+KINDS = ("llama", "llama_tied", "gpt2", "llama_gqa", "llama_mqa", "mixtral", "qwen2_moe", "falcon",
+         "mistral_sliding")  # mistral_sliding: sliding-window attention (16 tokens) in every layer; llama_gqa:
 # 4 query heads, 2 KV heads; llama_mqa: 2 query heads, 1 KV head (replicated on both ranks of
 # tensor_parallel_size=2); llama_tied: the unembedding shares the input embedding's weight; falcon:
 # linears with biases that vLLM returns beside their output (skip_bias_add), parallel attention
@@ -100,6 +101,14 @@ def build(kind: str, path: str | os.PathLike, layers: int = 4, hidden: int = 128
             torch_dtype="float32",
         )
         model = transformers.MixtralForCausalLM(config)
+    elif kind == "mistral_sliding":
+        config = transformers.MistralConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+            head_dim=64, sliding_window=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
+            bos_token_id=eos, eos_token_id=eos, tie_word_embeddings=False, torch_dtype="float32",
+        )
+        model = transformers.MistralForCausalLM(config)
     elif kind == "qwen2_moe":  # routed experts plus a shared expert
         config = transformers.Qwen2MoeConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, moe_intermediate_size=hidden,
