@@ -64,7 +64,6 @@ def test_the_logits_guard_is_prepared_at_load_for_the_logits_the_engine_makes(ll
         assert kernel == torch.cuda.is_available()  # (Triton on CUDA; the torch ops elsewhere)
 
 
-
 def test_the_kv_blocks_a_traced_request_frees_are_zeroed_in_every_layer(llama, llama_path):
     # found when the KV cache was allocated: one tensor per attention layer, whose blocks
     # dimension holds the pool's blocks whole (the fills themselves: test_kv_zeroing.py)
