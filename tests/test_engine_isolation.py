@@ -66,7 +66,8 @@ def test_the_logits_guard_is_prepared_at_load_for_the_logits_the_engine_makes(ll
 
 def test_the_kv_blocks_a_traced_request_frees_are_zeroed_in_every_layer(llama, llama_path):
     # found when the KV cache was allocated: one tensor per attention layer, whose blocks
-    # dimension holds the pool's blocks whole (the fills themselves: test_kv_zeroing.py)
+    # dimension holds the pool's blocks as vLLM's block tables address them (found at all:
+    # kv_zeroing checks that against the kernel block size; the fills: test_kv_zeroing.py)
     layers = json.loads((Path(llama_path) / "config.json").read_text())["num_hidden_layers"]
     blocks = llama.vllm_entrypoint.llm_engine.vllm_config.cache_config.num_gpu_blocks
     for probe in llama.vllm_entrypoint.collective_rpc("nnsight_probe"):

@@ -72,3 +72,61 @@ def test_no_view_of_vllms_throwaway_profiling_cache_is_held(spelled):
     else:
         allocate(runner, "config", True)
     assert kv_zeroing.layers_of(runner) is None
+
+
+def _runner(kv: torch.Tensor, block_size: int, kernel_block_size: int, backend: type = object):
+    """A V2-shaped runner holding one attention layer's KV tensor, with vLLM's own
+    attention group and spec (what find_layers reads of a runner, no more)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.utils import AttentionGroup
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=kv.dtype)
+    group = AttentionGroup(backend=backend, layer_names=["layers.0.attn"], kv_cache_spec=spec,
+                           kv_cache_group_id=0)
+    return SimpleNamespace(
+        attn_groups=[[group]], kernel_block_sizes=[kernel_block_size], device=kv.device,
+        compilation_config=SimpleNamespace(static_forward_context={"layers.0.attn": SimpleNamespace(kv_cache=kv)}),
+        kv_cache_config=SimpleNamespace(num_blocks=N), cache_config=SimpleNamespace(cache_dtype="auto"))
+
+
+class _BlocksSecond:
+    """A backend that says where its blocks are (as vLLM 0.26's do)."""
+
+    @staticmethod
+    def get_kv_cache_block_dim(block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return 1
+
+
+@pytest.mark.parametrize(("shape", "block_size", "kernel", "backend", "found"), [
+    ((N, 2, 16, 2, 32), 16, 16, object, (0, 1)),
+    ((2 * N, 2, 16, 2, 32), 32, 16, object, (0, 2)),  # (two kernel blocks per pool block)
+    ((2, N, 16, 2, 32), 16, 16, _BlocksSecond, (1, 1)),
+])
+def test_layers_are_found_where_vllms_block_tables_address_them(shape, block_size, kernel, backend, found):
+    from vllm_nnsight_plugin.boundary.kv_zeroing import find_layers
+
+    kv = torch.randn(shape)
+    [layer] = find_layers(_runner(kv, block_size, kernel, backend))
+    assert layer.tensor is kv and (layer.dim, layer.ratio) == found
+
+
+@pytest.mark.parametrize(("shape", "block_size", "kernel", "backend"), [
+    # twice the pool's blocks along dimension 0 where the block tables address pool blocks
+    # whole: dividing alone would take two "kernel blocks" per block and zero the wrong rows
+    ((2 * N, 2, 16, 2, 32), 16, 16, object),
+    ((N, 2, 16, 2, 32), 16, 16, _BlocksSecond),  # (the backend's blocks dimension holds 2)
+    ((N, 2, 16, 2, 32), 32, 16, object),  # (two kernel blocks per pool block expected, one there)
+])
+def test_a_layout_not_matching_the_block_tables_zeroes_nothing_and_says_why(shape, block_size, kernel, backend,
+                                                                            caplog):
+    from vllm_nnsight_plugin.boundary import kv_zeroing
+
+    runner = _runner(torch.randn(shape), block_size, kernel, backend)
+    with pytest.raises(ValueError, match="layers.0.attn: shape"):
+        kv_zeroing.find_layers(runner)
+    with caplog.at_level("ERROR", logger="vllm.nnsight_plugin"):
+        kv_zeroing.prepare(runner)
+    assert kv_zeroing.layers_of(runner) is None
+    assert "cannot be zeroed before reuse (ValueError: layers.0.attn: shape" in caplog.text

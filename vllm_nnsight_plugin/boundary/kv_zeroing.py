@@ -7,8 +7,9 @@ vLLM's own account of it (the attention groups, each backend's blocks dimension,
 kernel block size): every attention layer, sliding-window and cross-attention ones
 too, packed layouts included (each layer's tensor is a view that skips the other
 layers' bytes). Mamba layers are left alone: a request's state there starts fresh.
-Where a layer's blocks dimension does not hold the pool's blocks whole, nothing is
-zeroed, and that is logged as an error when the cache is allocated. Nothing is
+Where a layer's blocks dimension does not hold exactly the pool's blocks in the kernel
+blocks vLLM's block tables address, nothing is zeroed, and that is logged as an error
+(with the layer and its shape) when the cache is allocated. Nothing is
 compiled, and a step with blocks to zero takes one upload of their ids (pinned, not
 waited on) and one fill per layer.
 """
@@ -32,14 +33,11 @@ class Layer(NamedTuple):
 def prepare(runner: Any) -> None:
     """After the runner allocated its KV cache: find each attention layer's tensor."""
     try:
-        layers = find_layers(runner)
+        runner.__dict__[LAYERS] = find_layers(runner)
     except Exception as exc:  # noqa: BLE001 - a layout this code does not know
-        layers, why = None, f"{type(exc).__name__}: {exc}"
-    else:
-        why = "a layer's blocks dimension is not a multiple of the pool's blocks"
-    runner.__dict__[LAYERS] = layers
-    if layers is None:
-        logger.error("blocks that traced requests edited cannot be zeroed before reuse (%s)", why)
+        runner.__dict__[LAYERS] = None
+        logger.error("blocks that traced requests edited cannot be zeroed before reuse (%s: %s)",
+                     type(exc).__name__, exc)
 
 
 def forget(runner: Any) -> None:
@@ -71,9 +69,11 @@ def zero_layers(layers: list[Layer], block_ids: list[int]) -> None:
         layer.tensor.index_fill_(layer.dim, index, 0)
 
 
-def find_layers(runner: Any) -> list[Layer] | None:
-    """Each attention layer's KV tensor, blocks dimension and kernel blocks per block;
-    None where a tensor's blocks dimension does not hold the pool's blocks whole."""
+def find_layers(runner: Any) -> list[Layer]:
+    """Each attention layer's KV tensor, blocks dimension and kernel blocks per block.
+    Raises ValueError where a tensor's blocks dimension does not hold exactly the pool's
+    blocks times the kernel blocks per block that vLLM's block tables address (zeroing
+    along a dimension taken wrongly would zero other requests' values)."""
     import torch
     from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -89,23 +89,26 @@ def find_layers(runner: Any) -> list[Layer] | None:
         if not isinstance(spec, AttentionSpec) or group.kv_cache_group_id >= len(kernel_block_sizes):
             continue
         kernel_block_size = kernel_block_sizes[group.kv_cache_group_id]
+        per_block = spec.block_size // kernel_block_size  # (as vLLM maps a block table to kernel blocks)
         for name in group.layer_names:
             kv = getattr(context.get(name), "kv_cache", None)
             if name in runner_only or not isinstance(kv, torch.Tensor) or kv.device.type != runner.device.type:
                 continue  # (a host-resident cache holds other blocks than the pool's)
             if getattr(group, "kernel_block_stride", 0):  # (vLLM 0.32's packed layout: a view by pool blocks)
-                kv, dim = group.map_kv_cache_to_manager_blocks(kv, num_blocks), 0
+                kv, dim, ratio = group.map_kv_cache_to_manager_blocks(kv, num_blocks), 0, 1
             elif hasattr(group.backend, "get_kv_cache_block_dim"):  # (vLLM 0.26: the backend's layout)
-                dim = group.backend.get_kv_cache_block_dim(kernel_block_size, spec.num_kv_heads, spec.head_size,
-                                                           cache_dtype_str=cache_dtype)
+                dim, ratio = group.backend.get_kv_cache_block_dim(
+                    kernel_block_size, spec.num_kv_heads, spec.head_size, cache_dtype_str=cache_dtype), per_block
             else:  # (vLLM 0.32: blocks first)
-                dim = 0
-            if kv.shape[dim] % num_blocks:
-                return None
+                dim, ratio = 0, per_block
+            if spec.block_size % kernel_block_size or kv.shape[dim] != num_blocks * ratio:
+                raise ValueError(f"{name}: shape {tuple(kv.shape)}, blocks dimension {dim}, does not hold "
+                                 f"{num_blocks} blocks of {spec.block_size} tokens in kernel blocks of "
+                                 f"{kernel_block_size}")
             key = (kv.data_ptr(), dim, tuple(kv.shape), kv.stride())
             if key not in seen:  # (layers that share a KV cache)
                 seen.add(key)
-                layers.append(Layer(kv, dim, kv.shape[dim] // num_blocks))
+                layers.append(Layer(kv, dim, ratio))
     return layers
 
 
