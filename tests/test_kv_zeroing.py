@@ -74,7 +74,8 @@ def test_no_view_of_vllms_throwaway_profiling_cache_is_held(spelled):
     assert kv_zeroing.layers_of(runner) is None
 
 
-def _runner(kv: torch.Tensor, block_size: int, kernel_block_size: int, backend: type = object):
+def _runner(kv: torch.Tensor, block_size: int, kernel_block_size: int, backend: type = object,
+            compressed: bool = False):
     """A V2-shaped runner holding one attention layer's KV tensor, with vLLM's own
     attention group and spec (what find_layers reads of a runner, no more)."""
     from types import SimpleNamespace
@@ -82,7 +83,15 @@ def _runner(kv: torch.Tensor, block_size: int, kernel_block_size: int, backend: 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.utils import AttentionGroup
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=kv.dtype)
+    class Compressed(FullAttentionSpec):
+        """vLLM 0.26's spec of a cache storing its block's tokens in fewer slots (DeepSeek V4)."""
+
+        @property
+        def storage_block_size(self) -> int:
+            return self.block_size // 4
+
+    spec = (Compressed if compressed else FullAttentionSpec)(block_size=block_size, num_kv_heads=2, head_size=32,
+                                                             dtype=kv.dtype)
     group = AttentionGroup(backend=backend, layer_names=["layers.0.attn"], kv_cache_spec=spec,
                            kv_cache_group_id=0)
     return SimpleNamespace(
@@ -99,16 +108,18 @@ class _BlocksSecond:
         return 1
 
 
-@pytest.mark.parametrize(("shape", "block_size", "kernel", "backend", "found"), [
-    ((N, 2, 16, 2, 32), 16, 16, object, (0, 1)),
-    ((2 * N, 2, 16, 2, 32), 32, 16, object, (0, 2)),  # (two kernel blocks per pool block)
-    ((2, N, 16, 2, 32), 16, 16, _BlocksSecond, (1, 1)),
+@pytest.mark.parametrize(("shape", "block_size", "kernel", "backend", "compressed", "found"), [
+    ((N, 2, 16, 2, 32), 16, 16, object, False, (0, 1)),
+    ((2 * N, 2, 16, 2, 32), 32, 16, object, False, (0, 2)),  # (two kernel blocks per pool block)
+    ((2, N, 16, 2, 32), 16, 16, _BlocksSecond, False, (1, 1)),
+    ((N, 16, 96), 64, 16, object, True, (0, 1)),  # (one kernel block of its storage size per block)
 ])
-def test_layers_are_found_where_vllms_block_tables_address_them(shape, block_size, kernel, backend, found):
+def test_layers_are_found_where_vllms_block_tables_address_them(shape, block_size, kernel, backend, compressed,
+                                                                 found):
     from vllm_nnsight_plugin.boundary.kv_zeroing import find_layers
 
     kv = torch.randn(shape)
-    [layer] = find_layers(_runner(kv, block_size, kernel, backend))
+    [layer] = find_layers(_runner(kv, block_size, kernel, backend, compressed))
     assert layer.tensor is kv and (layer.dim, layer.ratio) == found
 
 

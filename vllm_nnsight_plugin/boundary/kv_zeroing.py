@@ -88,8 +88,11 @@ def find_layers(runner: Any) -> list[Layer]:
         spec = group.kv_cache_spec
         if not isinstance(spec, AttentionSpec) or group.kv_cache_group_id >= len(kernel_block_sizes):
             continue
-        kernel_block_size = kernel_block_sizes[group.kv_cache_group_id]
-        per_block = spec.block_size // kernel_block_size  # (as vLLM maps a block table to kernel blocks)
+        # (as vLLM 0.26 lays a group out: a spec that compresses its tokens, DeepSeek V4's,
+        # stores a block in one kernel block of its storage size)
+        stored = getattr(spec, "storage_block_size", spec.block_size)
+        kernel_block_size = stored if stored != spec.block_size else kernel_block_sizes[group.kv_cache_group_id]
+        per_block = stored // kernel_block_size  # (as vLLM maps a block table to kernel blocks)
         for name in group.layer_names:
             kv = getattr(context.get(name), "kv_cache", None)
             if name in runner_only or not isinstance(kv, torch.Tensor) or kv.device.type != runner.device.type:
@@ -101,10 +104,9 @@ def find_layers(runner: Any) -> list[Layer]:
                     kernel_block_size, spec.num_kv_heads, spec.head_size, cache_dtype_str=cache_dtype), per_block
             else:  # (vLLM 0.32: blocks first)
                 dim, ratio = 0, per_block
-            if spec.block_size % kernel_block_size or kv.shape[dim] != num_blocks * ratio:
+            if stored % kernel_block_size or kv.shape[dim] != num_blocks * ratio:
                 raise ValueError(f"{name}: shape {tuple(kv.shape)}, blocks dimension {dim}, does not hold "
-                                 f"{num_blocks} blocks of {spec.block_size} tokens in kernel blocks of "
-                                 f"{kernel_block_size}")
+                                 f"{num_blocks} blocks of {stored} slots in kernel blocks of {kernel_block_size}")
             key = (kv.data_ptr(), dim, tuple(kv.shape), kv.stride())
             if key not in seen:  # (layers that share a KV cache)
                 seen.add(key)
