@@ -141,3 +141,17 @@ def test_a_layout_not_matching_the_block_tables_zeroes_nothing_and_says_why(shap
         kv_zeroing.prepare(runner)
     assert kv_zeroing.layers_of(runner) is None
     assert "cannot be zeroed before reuse (ValueError: layers.0.attn: shape" in caplog.text
+
+
+def test_a_worker_that_zeroes_nothing_refuses_edits_and_says_why():
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.boundary import kv_zeroing
+
+    runner = SimpleNamespace()
+    assert "did not see this worker's KV cache allocated" in kv_zeroing.refusal(runner)
+    runner.__dict__.update({kv_zeroing.LAYERS: None, kv_zeroing.WHY: "ValueError: layers.0.attn: shape (3,)"})
+    assert "(ValueError: layers.0.attn: shape (3,)), so blocks that may change activations" in \
+        kv_zeroing.refusal(runner)
+    runner.__dict__[kv_zeroing.LAYERS] = []  # (no attention layer: nothing to zero)
+    assert kv_zeroing.refusal(runner) is None

@@ -205,6 +205,78 @@ def test_sliding_window_layers_blocks_are_zeroed_too(sliding):
         _assert_same(llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False), reference)
 
 
+def _kv_zeroing_lost(worker) -> None:
+    """In each worker: the state kv_zeroing leaves where it cannot place a layout (its
+    finding is tested in test_kv_zeroing.py with vLLM's own attention groups)."""
+    from vllm_nnsight_plugin.boundary import kv_zeroing
+
+    state = worker.model_runner.__dict__
+    state["_test_kv_layers"] = state.pop(kv_zeroing.LAYERS)
+    state[kv_zeroing.LAYERS], state[kv_zeroing.WHY] = None, "ValueError: a layout this test made up"
+
+
+def _kv_zeroing_back(worker) -> None:
+    from vllm_nnsight_plugin.boundary import kv_zeroing
+
+    state = worker.model_runner.__dict__
+    state[kv_zeroing.LAYERS] = state.pop("_test_kv_layers")
+    state.pop(kv_zeroing.WHY)
+
+
+def _reads_layer_1(model, tracer):
+    hidden = model.model.layers[1].output[0].save()  # noqa: F841
+
+
+@pytest.fixture
+def llama_taking_functions(llama_path, monkeypatch):
+    """An engine of its own that takes functions in ``collective_rpc`` (vLLM's pickle
+    fallback, read when the engine starts and by the front end when it sends one; it
+    also changes how vLLM returns utility results, so the shared engines keep the default)."""
+    from conftest import ENGINE_KWARGS
+
+    from vllm_nnsight_plugin import VLLM
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    model = VLLM(llama_path, dispatch=True, dtype="float32", max_model_len=512, seed=0, **ENGINE_KWARGS)
+    yield model
+    model.shutdown()
+
+
+def test_where_freed_blocks_cannot_be_zeroed_edits_are_refused_and_reads_run(llama_taking_functions):
+    """An edit's NaN would stay in blocks the next owner reads: where the worker cannot
+    zero them, blocks that may change activations (edits, code) end their request with
+    the reason; reads, untraced requests and, once zeroing is back, edits run."""
+    from vllm_nnsight_plugin import make_payload
+
+    llm = llama_taking_functions.vllm_entrypoint
+    steer = _spec({"op": "add", "module": "model.layers.1", "index": 0, "value": [1.0] * 128, "steps": "all"})
+    read = _spec({"op": "read", "name": "h", "module": "model.layers.1", "index": 0})
+
+    def traced(payload: str, **flags) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True,
+                              extra_args={"nnsight": payload, **flags})
+
+    batch = [traced(steer), traced(read), traced(make_payload(_reads_layer_1), nnsight_lower=False), _plain(4)]
+    reference = llm.generate(PROMPTS[:2], [_plain(4)] * 2, use_tqdm=False)
+    before = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)
+    llm.collective_rpc(_kv_zeroing_lost)
+    try:
+        outs = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)
+    finally:
+        llm.collective_rpc(_kv_zeroing_back)
+    for refused in (outs[0], outs[2]):  # the edit, and code (which may change anything)
+        with pytest.raises(InterventionError, match=r"cannot zero the KV-cache blocks a traced request leaves "
+                                                    r"\(ValueError: a layout this test made up\)"):
+            results(refused)
+    torch.testing.assert_close(results(outs[1])["h"], results(before[1])["h"], rtol=0, atol=1e-5)  # the read ran
+    _assert_same([outs[1]], [reference[0]])
+    _assert_same([outs[3]], [reference[1]])
+    assert _tokens_and_logprobs(before[0]) != _tokens_and_logprobs(reference[0])  # (the edit edits)
+    after = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)  # zeroing back: all run
+    assert _tokens_and_logprobs(after[0]) == _tokens_and_logprobs(before[0])
+    torch.testing.assert_close(results(after[2])["hidden"], results(before[2])["hidden"], rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------- the validator
 
 

@@ -8,8 +8,9 @@ kernel block size): every attention layer, sliding-window and cross-attention on
 too, packed layouts included (each layer's tensor is a view that skips the other
 layers' bytes). Mamba layers are left alone: a request's state there starts fresh.
 Where a layer's blocks dimension does not hold exactly the pool's blocks in the kernel
-blocks vLLM's block tables address, nothing is zeroed, and that is logged as an error
-(with the layer and its shape) when the cache is allocated. Nothing is
+blocks vLLM's block tables address, nothing is zeroed, that is logged as an error (with
+the layer and its shape) when the cache is allocated, and blocks that may change
+activations are refused (:func:`refusal`); reads still run. Nothing is
 compiled, and a step with blocks to zero takes one upload of their ids (pinned, not
 waited on) and one fill per layer.
 """
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 logger = logging.getLogger("vllm.nnsight_plugin")
 
 LAYERS = "_nnsight_kv_layers"  # on the runner: the layers to zero (None: not known, nothing zeroed)
+WHY = "_nnsight_kv_not_zeroed"  # on the runner: why not (set with LAYERS None)
 
 
 class Layer(NamedTuple):
@@ -35,13 +37,27 @@ def prepare(runner: Any) -> None:
     try:
         runner.__dict__[LAYERS] = find_layers(runner)
     except Exception as exc:  # noqa: BLE001 - a layout this code does not know
-        runner.__dict__[LAYERS] = None
-        logger.error("blocks that traced requests edited cannot be zeroed before reuse (%s: %s)",
-                     type(exc).__name__, exc)
+        runner.__dict__[LAYERS], runner.__dict__[WHY] = None, f"{type(exc).__name__}: {exc}"
+        logger.error("blocks that traced requests edited cannot be zeroed before reuse (%s); blocks that may "
+                     "change activations are refused on this engine", runner.__dict__[WHY])
 
 
 def forget(runner: Any) -> None:
     runner.__dict__.pop(LAYERS, None)
+    runner.__dict__.pop(WHY, None)
+
+
+def refusal(runner: Any) -> str | None:
+    """Why this worker must refuse blocks that may change activations (an edit's NaN
+    would stay in blocks the next owner reads); None where freed blocks are zeroed."""
+    if LAYERS not in runner.__dict__:
+        why = "the plugin did not see this worker's KV cache allocated"
+    elif runner.__dict__[LAYERS] is None:
+        why = runner.__dict__.get(WHY, "its layout is not known")
+    else:
+        return None
+    return (f"this engine cannot zero the KV-cache blocks a traced request leaves ({why}), so blocks that may "
+            "change activations (edits, and code) are refused here; reads run")
 
 
 def layers_of(runner: Any) -> list[Layer] | None:

@@ -21,7 +21,7 @@ from ..engine import finite_logits, lanes, stages
 from ..engine.interleave import Interleaver
 from ..engine.rows import StepLayout
 from ..payload import codec
-from . import configuration, kv_blocks, parallel, patching, runners, tap_setup
+from . import configuration, kv_blocks, kv_zeroing, parallel, patching, runners, tap_setup
 from .worker_setup import worker_setup
 
 logger = logging.getLogger("vllm.nnsight_plugin")
@@ -75,6 +75,7 @@ def admit_step(runner: Any, scheduler_output: Any, recomputed: Iterable[str]) ->
     inter.finish(runners.finished_ids(scheduler_output))
     for req_id in recomputed:
         inter.preempted(req_id)
+    inter.edits_refused = kv_zeroing.refusal(runner)
     for r in new if inter.edits else traced:
         inter.admit(r.req_id, r.extra_args, r.params)
     return inter if inter.working() else None

@@ -106,6 +106,8 @@ class Admission:
             line = planned.line if planned is not None else env["lineno"]
             why = kept_code or ("an earlier block of the request runs as code" if not batchable else planned.why)
             session.ran_as = f"code: {env['filename']}:{line} ({why})"
+            if self.edits_refused:  # (code may change anything)
+                raise codec.PayloadError(self.edits_refused)
             values = codec.load_code(env, self._resolver()).values
             session.namespace.update({k: self._to_device(v) for k, v in values.items()})
             for name, value in values.items():  # trace-level lists and dicts the block writes into: saved
@@ -148,6 +150,8 @@ class Admission:
         from .spec_runner import run_spec
 
         guards.refuse_integer_writes(env, self.integer_inputs)
+        if self.edits_refused and spec.edits(env):
+            raise codec.PayloadError(self.edits_refused)
         if self.stages is not None and self.stages.last:
             guards.refuse_absent(env, self.absent, self.stages.carries)
         elif self.stages is not None:  # (caches reach the last stage's modules only: refuse_absent)

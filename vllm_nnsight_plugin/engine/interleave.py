@@ -69,6 +69,9 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self._lane_keys: dict[tuple, str] = {}  # location key -> tap site with lanes
         self._ancestor_cache: dict[int, list[torch.nn.Module]] = {}
         self.edits: dict[str, tuple[str | None, dict[str, Any]]] = {}  # engine-wide: id -> (name, payload)
+        # why blocks that may change activations are refused (the boundary sets it before each
+        # admission: where KV blocks a traced request freed cannot be zeroed); None: they run
+        self.edits_refused: str | None = None
         self.waiters: dict[tuple, list[RequestSession]] = defaultdict(list)
         self.hooks: dict[tuple, Any] = {}
         self.layout: StepLayout | None = None
