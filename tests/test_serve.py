@@ -70,10 +70,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(path: str, allow_code: bool, tmp_path_factory, extra: list[str] = (), eager: bool = True) -> Server:
+def _start(path: str, allow_code: bool, tmp_path_factory, extra: list[str] = (), eager: bool = True,
+           env: dict[str, str] | None = None) -> Server:
     port = _free_port()
     log = str(tmp_path_factory.mktemp("server") / "server.log")
-    env = dict(os.environ, VLLM_NNSIGHT_ALLOW_CODE="1" if allow_code else "0", VLLM_LOGGING_LEVEL="WARNING")
+    env = dict(os.environ, VLLM_NNSIGHT_ALLOW_CODE="1" if allow_code else "0", VLLM_LOGGING_LEVEL="WARNING",
+               **(env or {}))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
            "--port", str(port), "--api-key", KEY, *(["--enforce-eager"] if eager else []), "--dtype", "float32",
            "--max-model-len", "512", "--max-num-seqs", "32", "--served-model-name", "tiny", *extra, *SERVER_ARGS]
@@ -584,6 +586,7 @@ def test_tapped_server_serves_its_taps_and_refuses_the_rest(tapped_server, llama
         resid = (out[0] + out[1]).save()
         logits = model.logits.save()
     ids = tracer.outputs[0].prompt_token_ids
+    assert tracer.outputs[0].ran_as == "batched"  # (as RequestOutput.ran_as, from the server's results)
     hf = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0].mlp, lambda h: h * 0.5)
     hf.record("resid", hf_llama.model.layers[2])
     ref = hf.logits()

@@ -69,6 +69,12 @@ class ServedOutput:
     nnsight_error: dict[str, Any] | None = None
     nnsight_warnings: list[str] = field(default_factory=list)
 
+    @property
+    def ran_as(self) -> str | None:
+        """How the request's blocks ran, as ``RequestOutput.ran_as`` (``"batched"``, or
+        ``"code: <file>:<line> (<why>)"``; ``;``-joined), from the server's results."""
+        return codec.ran_as_of((self.kv_transfer_params or {}).get(codec.PAYLOAD_KEY))
+
 
 class Connection:
     """A server URL and API key."""
