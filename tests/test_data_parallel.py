@@ -1,6 +1,8 @@
-"""Data parallel: a stock server with ``--data-parallel-size 2`` (two engine cores,
-requests balanced between them) compiled with taps. Traced requests run on whichever
-rank takes them and equal HF fp32; an edit installed over HTTP reaches both ranks."""
+"""Data parallel: ``vllm serve --data-parallel-size 2`` (two engine cores, requests
+balanced between them) compiled with taps. Traced requests run on whichever rank takes
+them and equal HF fp32; an edit installed over HTTP reaches both ranks; with the CLI's
+default of one API server per rank, traced requests run and installing an edit is
+refused with how to allow it (each front end would keep its own list)."""
 
 from __future__ import annotations
 
@@ -19,16 +21,22 @@ from vllm_nnsight_plugin import VLLM
 PROMPTS = [f"The number {i} is" for i in range(16)]
 
 
-@pytest.fixture(scope="module")
-def dp_server(llama_path, tmp_path_factory):
+def _dp_server(llama_path: str, tmp_path_factory, *flags: str):
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("data parallel takes a GPU per rank")
-    extra = ["--data-parallel-size", "2", "--additional-config",
+    extra = ["--data-parallel-size", "2", *flags, "--additional-config",
              json.dumps({"nnsight": {"taps": ["model.layers.*.output"]}})]
     if TAPS_COMPILATION != "{}":
         extra += ["--compilation-config", TAPS_COMPILATION]
     # (on the CPU: one core per rank, as for tensor parallel)
-    server = _start(llama_path, True, tmp_path_factory, extra, eager=False, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    return _start(llama_path, True, tmp_path_factory, extra, eager=False, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                  cli=True)
+
+
+@pytest.fixture(scope="module")
+def dp_server(llama_path, tmp_path_factory):
+    """One API server in front of both ranks (what installed edits need)."""
+    server = _dp_server(llama_path, tmp_path_factory, "--api-server-count", "1")
     yield server
     _stop(server)
 
@@ -102,3 +110,30 @@ def test_an_installed_edit_reaches_every_rank(dp_server):
     assert all(a != b for a, b in zip(clean, edited)), (clean, edited)  # every request, on either rank
     assert _get(dp_server, "/v1/nnsight/edits")["edits"] == []
     assert generate() == clean
+
+
+@pytest.fixture(scope="module")
+def dp_server_two_front_ends(llama_path, tmp_path_factory):
+    """The CLI's default: one API server process per rank."""
+    server = _dp_server(llama_path, tmp_path_factory)
+    yield server
+    _stop(server)
+
+
+def test_with_an_api_server_per_rank_traces_run_and_installing_an_edit_is_refused(dp_server_two_front_ends):
+    server = dp_server_two_front_ends
+    read = json.dumps({"v": 1, "kind": "spec", "ops": [{"op": "read", "name": "h", "module": "model.layers.2"}]})
+
+    def traced(prompt: str) -> tuple[int, dict]:
+        return server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2,
+                                               "temperature": 0.0, "vllm_xargs": {"nnsight": read}})
+
+    before = _finished_per_rank(server)
+    with ThreadPoolExecutor(8) as pool:  # (new connections: the front ends take them in turn)
+        answers = list(pool.map(traced, PROMPTS[:8]))
+    assert all(status == 200 and "h" in body["kv_transfer_params"]["nnsight"]["saves"] for status, body in answers)
+    _ran_on_both(server, before)
+    steer = {"v": 1, "kind": "spec", "ops": [
+        {"op": "add", "module": "model.layers.1", "index": 0, "value": [3.0] * 128, "steps": "all"}]}
+    status, body = server.post("/v1/nnsight/edits", {"payload": json.dumps(steer), "name": "shift"})
+    assert status == 400 and "--api-server-count 1" in body["error"]["message"], body

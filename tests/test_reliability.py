@@ -259,11 +259,22 @@ def test_where_freed_blocks_cannot_be_zeroed_edits_are_refused_and_reads_run(lla
     batch = [traced(steer), traced(read), traced(make_payload(_reads_layer_1), nnsight_lower=False), _plain(4)]
     reference = llm.generate(PROMPTS[:2], [_plain(4)] * 2, use_tqdm=False)
     before = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)
+    config = llm.llm_engine.vllm_config
     llm.collective_rpc(_kv_zeroing_lost)
     try:
         outs = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)
+        # an engine-wide edit would end every request: refused when installed
+        with pytest.raises(Exception, match="cannot zero the KV-cache blocks"):
+            llm.collective_rpc("nnsight_install_edit", args=("edit-test", None, steer))
+        # a front end that learns the workers' table refuses edits before the engine
+        frontend.learn_module_table(config, llm.collective_rpc("nnsight_module_table"))
+        with pytest.raises(codec.PayloadError, match="cannot zero the KV-cache blocks"):
+            llm.generate(PROMPTS[:1], [traced(steer)], use_tqdm=False)
+        with pytest.raises(codec.PayloadError, match="cannot zero the KV-cache blocks"):
+            frontend.refuse_installing(codec.parse_envelope(steer), config)
     finally:
         llm.collective_rpc(_kv_zeroing_back)
+        frontend.learn_module_table(config, llm.collective_rpc("nnsight_module_table"))
     for refused in (outs[0], outs[2]):  # the edit, and code (which may change anything)
         with pytest.raises(InterventionError, match=r"cannot zero the KV-cache blocks a traced request leaves "
                                                     r"\(ValueError: a layout this test made up\)"):
@@ -274,6 +285,7 @@ def test_where_freed_blocks_cannot_be_zeroed_edits_are_refused_and_reads_run(lla
     assert _tokens_and_logprobs(before[0]) != _tokens_and_logprobs(reference[0])  # (the edit edits)
     after = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)  # zeroing back: all run
     assert _tokens_and_logprobs(after[0]) == _tokens_and_logprobs(before[0])
+    _assert_same([after[3]], [reference[1]])  # (the refused engine-wide edit was never installed)
     torch.testing.assert_close(results(after[2])["hidden"], results(before[2])["hidden"], rtol=0, atol=1e-5)
 
 

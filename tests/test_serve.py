@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,12 +72,16 @@ def _free_port() -> int:
 
 
 def _start(path: str, allow_code: bool, tmp_path_factory, extra: list[str] = (), eager: bool = True,
-           env: dict[str, str] | None = None) -> Server:
+           env: dict[str, str] | None = None, cli: bool = False) -> Server:
+    """A server process; ``cli``: started as ``vllm serve`` (tests/serve_cli.py), else
+    through vLLM's api_server module (the same server, one API server process)."""
     port = _free_port()
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     env = dict(os.environ, VLLM_NNSIGHT_ALLOW_CODE="1" if allow_code else "0", VLLM_LOGGING_LEVEL="WARNING",
                **(env or {}))
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
+    launch = [str(Path(__file__).with_name("serve_cli.py")), "serve", path] if cli else \
+        ["-m", "vllm.entrypoints.openai.api_server", "--model", path]
+    cmd = [sys.executable, *launch, "--host", "127.0.0.1",
            "--port", str(port), "--api-key", KEY, *(["--enforce-eager"] if eager else []), "--dtype", "float32",
            "--max-model-len", "512", "--max-num-seqs", "32", "--served-model-name", "tiny", *extra, *SERVER_ARGS]
     with open(log, "w") as fh:

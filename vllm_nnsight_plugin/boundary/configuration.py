@@ -158,3 +158,9 @@ def additional_config(vllm_config: Any) -> dict:
     extra = getattr(vllm_config, "additional_config", None) or {}
     section = extra.get("nnsight") if isinstance(extra, dict) else None
     return section if isinstance(section, dict) else {}
+
+
+def api_servers(vllm_config: Any) -> int:
+    """How many API server processes front this engine (``--api-server-count``; ``vllm
+    serve --data-parallel-size N`` starts N by default)."""
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "_api_process_count", 1) or 1)

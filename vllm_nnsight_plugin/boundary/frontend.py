@@ -45,6 +45,7 @@ class ModuleTable(NamedTuple):
 
     integer_inputs: frozenset[str]  # modules whose input is an index tensor (never written)
     absent: frozenset[str]  # modules only earlier pipeline stages hold
+    edits_refused: str | None = None  # why edits are refused (KV blocks not zeroed: kv_zeroing.refusal)
 
 
 # Per served model (its path), known once a server or VLLM client asked the engine
@@ -56,8 +57,9 @@ def learn_module_table(vllm_config: Any, tables: list[dict[str, Any]]) -> None:
     """From every worker's table (``collective_rpc``): the last one's is the last
     pipeline stage's, the one traces run in."""
     last = tables[-1]
+    refused = next((t["edits_refused"] for t in tables if t.get("edits_refused")), None)  # (any worker's)
     MODULE_TABLES[configuration.model_key(vllm_config)] = ModuleTable(
-        frozenset(last["integer_inputs"]), frozenset(last.get("absent", ())))
+        frozenset(last["integer_inputs"]), frozenset(last.get("absent", ())), refused)
 
 
 async def ensure_module_table(engine_client: Any) -> None:
@@ -91,6 +93,8 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
     if table is not None:
         guards.refuse_integer_writes(env, table.integer_inputs)
         guards.refuse_absent(env, table.absent, carried=parallel.stages_carry(vllm_config))
+        if table.edits_refused and env["kind"] == "spec" and spec.edits(env):  # (code: the worker decides)
+            raise codec.PayloadError(table.edits_refused)
     if vllm_config is None or configuration.runs_eager(vllm_config):
         return env
     tapped = configuration.settings(vllm_config).taps
@@ -109,6 +113,23 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
             "declare taps. model.logits and model.samples work in every mode."
         )
     return env
+
+
+def refuse_installing(env: dict[str, Any], vllm_config: Any) -> None:
+    """An engine-wide edit is installed through one front end, which keeps it apart in
+    the prefix cache (every request is salted while edits are installed): refused where
+    other API server processes front the engine, and where the workers cannot zero the
+    KV blocks edited requests free (code is refused there too: it may change anything)."""
+    servers = configuration.api_servers(vllm_config)
+    if servers > 1:
+        raise codec.PayloadError(
+            f"engine-wide edits need one API server process, and this engine has {servers} (vllm serve "
+            "--data-parallel-size N starts N by default): each would keep its own list of edits, and requests "
+            "through the others would share prefix-cache blocks with edited ones. Start the server with "
+            "--api-server-count 1 to install edits; traced requests work either way")
+    table = MODULE_TABLES.get(configuration.model_key(vllm_config))
+    if table is not None and table.edits_refused and (env["kind"] != "spec" or spec.edits(env)):
+        raise codec.PayloadError(table.edits_refused)
 
 
 def refuse_untraceable(vllm_config: Any) -> None:

@@ -104,8 +104,9 @@ def find_layers(runner: Any) -> list[Layer]:
         spec = group.kv_cache_spec
         if not isinstance(spec, AttentionSpec) or group.kv_cache_group_id >= len(kernel_block_sizes):
             continue
-        # (as vLLM 0.26 lays a group out: a spec that compresses its tokens, DeepSeek V4's,
-        # stores a block in one kernel block of its storage size)
+        # (as vLLM 0.26's V2 runner lays a group out: a spec that compresses its tokens,
+        # DeepSeek V4's, stores a block in one kernel block of its storage size; were the V1
+        # runner to size such a group otherwise, the check below refuses it: nothing zeroed wrongly)
         stored = getattr(spec, "storage_block_size", spec.block_size)
         kernel_block_size = stored if stored != spec.block_size else kernel_block_sizes[group.kv_cache_group_id]
         per_block = stored // kernel_block_size  # (as vLLM maps a block table to kernel blocks)

@@ -20,10 +20,11 @@ def nnsight_module_table(self: Any) -> dict[str, Any]:
     """What the front end checks specs against before they reach the engine (see
     :func:`.guards.table`), and the modules other pipeline stages hold."""
     from ..engine.guards import table
-    from . import parallel
+    from . import kv_zeroing, parallel
 
     model = self.model_runner.get_model()
-    return {**table(model), "absent": parallel.absent_modules(model)}
+    return {**table(model), "absent": parallel.absent_modules(model),
+            "edits_refused": kv_zeroing.refusal(self.model_runner)}
 
 
 def nnsight_probe(self: Any) -> dict[str, Any]:
@@ -88,12 +89,14 @@ def nnsight_lane_stats(self: Any) -> dict[str, int]:
 
 def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str) -> bool:
     """Install an engine-wide edit (between steps: RPCs never run during a forward)."""
+    from . import kv_zeroing
     from .frontend import refuse_untraceable
     from .runner_v1 import interleaver_of
 
     refuse_untraceable(getattr(self, "vllm_config", None))
-
-    interleaver_of(self.model_runner, create=True).install_edit(edit_id, name, payload)
+    inter = interleaver_of(self.model_runner, create=True)
+    inter.edits_refused = kv_zeroing.refusal(self.model_runner)
+    inter.install_edit(edit_id, name, payload)
     return True
 
 

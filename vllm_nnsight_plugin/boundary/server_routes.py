@@ -50,7 +50,7 @@ def add_routes(app: Any) -> None:
         """Install an engine-wide edit: ``{"payload": "<code or spec payload>", "name": null}``."""
         import uuid
 
-        from ..boundary.frontend import check_payload, ensure_module_table, refuse_untraceable
+        from ..boundary.frontend import check_payload, ensure_module_table, refuse_installing, refuse_untraceable
         from ..engine import edits
         from ..payload import codec
 
@@ -66,9 +66,10 @@ def add_routes(app: Any) -> None:
             await ensure_module_table(entrypoints.engine_client(raw_request.app))
             # the same checks as a traced request's payload (policy, runner, compiled engine)
             if isinstance(payload, str) and len(payload) > LARGE_PAYLOAD:  # a thread: the event loop may run
-                await asyncio.to_thread(check_payload, payload, None, config)
+                env = await asyncio.to_thread(check_payload, payload, None, config)
             else:
-                check_payload(payload, None, config)
+                env = check_payload(payload, None, config)
+            refuse_installing(env, config)
         except Exception as exc:  # noqa: BLE001 - whatever is wrong with the body is the client's
             if not isinstance(exc, codec.PayloadError):
                 logger.warning("refused an edit from http: %s: %s", type(exc).__name__, str(exc)[:500])
