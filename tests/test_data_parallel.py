@@ -129,7 +129,7 @@ def test_with_an_api_server_per_rank_traces_run_and_installing_an_edit_is_refuse
                                                "temperature": 0.0, "vllm_xargs": {"nnsight": read}})
 
     before = _finished_per_rank(server)
-    with ThreadPoolExecutor(8) as pool:  # (new connections: the front ends take them in turn)
+    with ThreadPoolExecutor(8) as pool:  # (each a new connection: the kernel hands them to either front end)
         answers = list(pool.map(traced, PROMPTS[:8]))
     assert all(status == 200 and "h" in body["kv_transfer_params"]["nnsight"]["saves"] for status, body in answers)
     _ran_on_both(server, before)

@@ -260,6 +260,7 @@ def test_where_freed_blocks_cannot_be_zeroed_edits_are_refused_and_reads_run(lla
     reference = llm.generate(PROMPTS[:2], [_plain(4)] * 2, use_tqdm=False)
     before = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)
     config = llm.llm_engine.vllm_config
+    tables = dict(frontend.MODULE_TABLES)  # (shared by every engine of this path in the process)
     llm.collective_rpc(_kv_zeroing_lost)
     try:
         outs = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)
@@ -273,8 +274,9 @@ def test_where_freed_blocks_cannot_be_zeroed_edits_are_refused_and_reads_run(lla
         with pytest.raises(codec.PayloadError, match="cannot zero the KV-cache blocks"):
             frontend.refuse_installing(codec.parse_envelope(steer), config)
     finally:
+        frontend.MODULE_TABLES.clear()
+        frontend.MODULE_TABLES.update(tables)
         llm.collective_rpc(_kv_zeroing_back)
-        frontend.learn_module_table(config, llm.collective_rpc("nnsight_module_table"))
     for refused in (outs[0], outs[2]):  # the edit, and code (which may change anything)
         with pytest.raises(InterventionError, match=r"cannot zero the KV-cache blocks a traced request leaves "
                                                     r"\(ValueError: a layout this test made up\)"):
