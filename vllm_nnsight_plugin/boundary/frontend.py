@@ -128,7 +128,7 @@ def refuse_installing(env: dict[str, Any], vllm_config: Any) -> None:
             "through the others would share prefix-cache blocks with edited ones. Start the server with "
             "--api-server-count 1 to install edits; traced requests work either way")
     table = MODULE_TABLES.get(configuration.model_key(vllm_config))
-    if table is not None and table.edits_refused and (env["kind"] != "spec" or spec.edits(env)):
+    if table is not None and table.edits_refused and spec.may_edit(env):
         raise codec.PayloadError(table.edits_refused)
 
 

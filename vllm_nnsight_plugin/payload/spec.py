@@ -295,6 +295,11 @@ def edits(env: dict[str, Any]) -> bool:
     return any(op["op"] in WRITES for op in env["ops"])
 
 
+def may_edit(env: dict[str, Any]) -> bool:
+    """Whether a payload, a spec or code, may change activations (code may do anything)."""
+    return env["kind"] != "spec" or edits(env)
+
+
 def last_step(env: dict[str, Any]) -> int | None:
     """The spec's last step (None: it runs to the request's end)."""
     last = 0
