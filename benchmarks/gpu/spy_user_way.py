@@ -170,6 +170,7 @@ def main() -> None:
         headline.N = args.n
     headline.make_config()
     user_way.STEER = torch.full((headline.HIDDEN,), 0.01, dtype=torch.bfloat16)
+    user_way.STEER_ZERO = torch.zeros((headline.HIDDEN,), dtype=torch.bfloat16)
     runs = user_way.plugin_runs(VLLM(
         headline.MODEL, taps=user_way.TAP, dispatch=True, load_format="dummy", skip_tokenizer_init=True,
         dtype="bfloat16", max_model_len=1024, seed=0,

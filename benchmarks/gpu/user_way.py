@@ -46,6 +46,7 @@ SAMPLING = {"temperature": 0.8, "top_p": 0.95, "max_tokens": OLEN, "ignore_eos":
 NNSIGHT_MODEL = "/tmp/models/l1b_tok"  # the same config with a tokenizer (nnsight's VLLM loads one client-side)
 NNSIGHT_SITE = "/tmp/site2"  # nnsight 0.8.1 and its wheels (remote.sh installs them from .whl/anchors)
 STEER = None  # set in the child: a bf16 vector of the model's width
+STEER_ZERO = None  # the same, zeros
 
 
 def prompts_for(seed: int) -> list[list[int]]:
@@ -82,6 +83,20 @@ def steer(model: Any, prompts: list[list[int]]) -> list[Any]:
     return tracer.outputs
 
 
+def steer_zero(model: Any, prompts: list[list[int]]) -> list[Any]:
+    """``steer`` adding a zero vector: all of the plugin's work (the plan, the lanes'
+    edit, the logits guard, the KV zeroing) while the activations, and so the logits
+    vLLM's top-p sampler gets and the tokens it picks, stay those of untraced traffic.
+    Beside ``steer`` it tells the plugin's cost from what steered logits cost vLLM's
+    own sampler."""
+    with model.trace(**SAMPLING) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                for step in tracer.iter[:]:  # noqa: B007
+                    model.model.layers[LAYER].output[0][:] += STEER_ZERO
+    return tracer.outputs
+
+
 def plugin_runs(model: Any) -> dict[str, Any]:
     """The plugin engine's workloads: untraced traffic on its taps engine, and the traces."""
     from vllm import SamplingParams
@@ -92,7 +107,8 @@ def plugin_runs(model: Any) -> dict[str, Any]:
         return model.vllm_entrypoint.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     return {"plain": plain, "prefill": lambda p: prefill(model, p),
-            "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p)}
+            "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p),
+            "steer_zero": lambda p: steer_zero(model, p)}
 
 
 def nnsight_runs(model: Any) -> dict[str, Any]:
@@ -160,11 +176,12 @@ def child(kind: str, memory: float, tp: int) -> None:
     measurement per line on stdin ("workload seed batches"); stdin's end stops it.
     Under tensor parallel a plugin engine's reply also gives the bytes of split values
     its ranks put together during the measurement (``tp_whole_bytes``, rank 0's)."""
-    global STEER
+    global STEER, STEER_ZERO
     import torch
     from vllm import LLM, SamplingParams
 
     STEER = torch.full((headline.HIDDEN,), 0.01, dtype=torch.bfloat16)
+    STEER_ZERO = torch.zeros((headline.HIDDEN,), dtype=torch.bfloat16)
     engine = {"load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16", "max_model_len": 1024,
               "gpu_memory_utilization": memory, "seed": 0}
     if tp > 1:
