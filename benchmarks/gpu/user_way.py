@@ -86,9 +86,10 @@ def steer(model: Any, prompts: list[list[int]]) -> list[Any]:
 def steer_zero(model: Any, prompts: list[list[int]]) -> list[Any]:
     """``steer`` adding a zero vector: all of the plugin's work (the plan, the lanes'
     edit, the logits guard, the KV zeroing) while the activations, and so the logits
-    vLLM's top-p sampler gets and the tokens it picks, stay those of untraced traffic.
-    Beside ``steer`` it tells the plugin's cost from what steered logits cost vLLM's
-    own sampler."""
+    vLLM's top-p sampler searches, stay those of untraced traffic (the sampler's
+    Triton kernel searches each row's threshold for as many rounds as the row's
+    values take). Beside ``steer`` it tells the plugin's cost from what steered
+    logits cost vLLM's own sampler."""
     with model.trace(**SAMPLING) as tracer:
         for prompt in prompts:
             with tracer.invoke(prompt):
