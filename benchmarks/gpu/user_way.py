@@ -74,27 +74,18 @@ def every_token(model: Any, prompts: list[list[int]]) -> list[Any]:
     return tracer.outputs
 
 
-def steer(model: Any, prompts: list[list[int]]) -> list[Any]:
+def steer(model: Any, prompts: list[list[int]], vector: Any) -> list[Any]:
+    """Steering every step with ``vector``: ``STEER``, or ``STEER_ZERO`` (the
+    ``steer_zero`` workload: all of the plugin's work, the plan, the lanes' edit, the
+    logits guard, the KV zeroing, while the activations, and so the logits vLLM's
+    top-p sampler searches, stay those of untraced traffic; that Triton kernel searches
+    each row's threshold for as many rounds as the row's values take). Beside ``steer``
+    it tells the plugin's cost from what steered logits cost vLLM's own sampler."""
     with model.trace(**SAMPLING) as tracer:
         for prompt in prompts:
             with tracer.invoke(prompt):
                 for step in tracer.iter[:]:  # noqa: B007
-                    model.model.layers[LAYER].output[0][:] += STEER
-    return tracer.outputs
-
-
-def steer_zero(model: Any, prompts: list[list[int]]) -> list[Any]:
-    """``steer`` adding a zero vector: all of the plugin's work (the plan, the lanes'
-    edit, the logits guard, the KV zeroing) while the activations, and so the logits
-    vLLM's top-p sampler searches, stay those of untraced traffic (the sampler's
-    Triton kernel searches each row's threshold for as many rounds as the row's
-    values take). Beside ``steer`` it tells the plugin's cost from what steered
-    logits cost vLLM's own sampler."""
-    with model.trace(**SAMPLING) as tracer:
-        for prompt in prompts:
-            with tracer.invoke(prompt):
-                for step in tracer.iter[:]:  # noqa: B007
-                    model.model.layers[LAYER].output[0][:] += STEER_ZERO
+                    model.model.layers[LAYER].output[0][:] += vector
     return tracer.outputs
 
 
@@ -108,8 +99,8 @@ def plugin_runs(model: Any) -> dict[str, Any]:
         return model.vllm_entrypoint.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     return {"plain": plain, "prefill": lambda p: prefill(model, p),
-            "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p),
-            "steer_zero": lambda p: steer_zero(model, p)}
+            "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p, STEER),
+            "steer_zero": lambda p: steer(model, p, STEER_ZERO)}
 
 
 def nnsight_runs(model: Any) -> dict[str, Any]:
