@@ -114,6 +114,15 @@ _PHASES = [  # (module, class, method): each timed on its own (nested calls coun
     ("vllm_nnsight_plugin.engine.finite_logits", "FiniteLogits", "detach"),
     ("vllm_nnsight_plugin.boundary.kv_blocks", None, "zero_reused_blocks"),
     ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs"),
+    ("vllm_nnsight_plugin.boundary.frontend", None, "_check_payload"),
+    ("vllm_nnsight_plugin.boundary.frontend", None, "cache_salt"),
+    ("vllm_nnsight_plugin.engine.admission", "Admission", "_session"),
+    ("vllm_nnsight_plugin.engine.admission", "Admission", "_admit_spec"),
+    ("vllm_nnsight_plugin.engine.batched", "BatchedEdits", "add"),
+    ("vllm_nnsight_plugin.payload.request_args", None, "parse"),
+    ("vllm_nnsight_plugin.payload.codec", None, "parse_envelope"),
+    ("vllm_nnsight_plugin.boundary.results", None, "_stamp_outputs"),
+    ("vllm_nnsight_plugin.boundary.results", None, "merge"),
 ]
 
 
