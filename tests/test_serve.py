@@ -535,7 +535,14 @@ def test_meta_tree_is_exactly_what_the_server_loaded(code_server, llama_path):
     model = VLLM(llama_path)  # GPU-less client: vLLM's model class on the meta device
     tree = model.meta_tree()
     assert not model.dispatched
-    assert (tree, None) == Connection(code_server.url, KEY).tree()
+    served = Connection(code_server.url, KEY).tree()
+    assert (tree, None) == (served.modules, served.taps)
+    record = served.record  # what the client records blocks against
+    assert record["dtype"] == "float32"  # vLLM's rotary embedding: one module under every layer
+    assert {f"model.layers.{i}.self_attn.rotary_emb" for i in range(4)} <= set(record["shared"])
+    assert all(".rotary_emb" in path for path in record["shared"])
+    assert record["structures"]["model.layers.0"] == 2  # (hidden, residual), from its forward's annotation
+    assert record["structures"]["model.layers.0.self_attn.qkv_proj"] == 2  # a vLLM linear: (output, bias)
     assert tree["model.layers.0.self_attn.qkv_proj"] == "QKVParallelLinear"  # vLLM's paths, not HF's
     with pytest.raises(AttributeError, match="submodules"):
         model.model.layers[0].q_proj  # noqa: B018
@@ -608,10 +615,10 @@ def test_tapped_server_serves_its_taps_and_refuses_the_rest(tapped_server, llama
 
 
 def test_nnsight_style_blocks_over_http_run_as_specs_with_the_blocks_results(tapped_server, llama_path, hf_llama):
-    """The GPU-less client sends a steering + every-step read block as code; the
-    tapped server runs it as the batched spec it is (engine/lower.py; test_lower.py
-    counts that in process), and as code when the request says ``nnsight_lower:
-    false`` (JSON false: 0 in vllm_xargs). Both give the same results, and HF's."""
+    """The GPU-less client records a steering + every-step read block into its plan and
+    sends the spec (client/served_plans.py); when the request says ``nnsight_lower:
+    false`` it sends the block as code, which this server (code on) runs as code. Both
+    give the same results, and HF's."""
     model = VLLM(llama_path)
     v = torch.linspace(-1, 1, 128)
     runs = []
@@ -635,6 +642,57 @@ def test_nnsight_style_blocks_over_http_run_as_specs_with_the_blocks_results(tap
     ref = hf.logits()
     assert_close(stream[0], hf.records["resid"])
     assert tokens[0] == int(ref[-1].argmax())
+
+
+def test_nnsight_style_blocks_run_on_a_server_that_runs_no_code(spec_server, llama_path, hf_llama):
+    """A served trace records its blocks here and sends their plans as JSON specs, so a
+    server that runs no code (the default) runs nnsight's spellings: steering every
+    step with a named layer constant, a prompt read, a saved list of reads, every-step
+    reads; batched, equal to HF. Steering changes the tokens (clean != steered)."""
+    from vllm_nnsight_plugin.client.served import ServeError
+
+    model = VLLM(llama_path)
+    v = torch.linspace(-2, 2, 128)
+    LAYER = 0
+
+    def run(steer: bool):
+        with model.trace("The Eiffel Tower is in", serve=spec_server.url, api_key=KEY, temperature=0.0,
+                         max_tokens=3, ignore_eos=True) as tracer:
+            first = model.model.layers[1].output
+            prompt = (first[0] + first[1]).save()
+            pair = [model.model.layers[1].output[1], model.model.layers[2].output[1]].save()
+            rows = list().save()
+            for step in tracer.iter[:3]:  # noqa: B007
+                if steer:
+                    model.model.layers[LAYER].output[0][:] += v
+                out = model.model.layers[2].output
+                rows.append(out[0] + out[1])
+        return tracer.outputs[0], prompt, pair, rows
+
+    output, prompt, pair, rows = run(True)
+    assert output.ran_as == "batched"
+    tokens, ids = list(output.outputs[0].token_ids), output.prompt_token_ids
+    hf = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0], lambda h: h + v)
+    hf.record("l1", hf_llama.model.layers[1])
+    hf.record("l2", hf_llama.model.layers[2])
+    ref = hf.logits()
+    assert_close(prompt, hf.records["l1"])
+    assert_close(rows[0], hf.records["l2"])
+    assert len(rows) == 3 and isinstance(pair, list) and len(pair) == 2
+    assert tokens[0] == int(ref[-1].argmax())
+    for k in (1, 2):  # each step's rows: the steered forward over the tokens so far
+        hf = HFRun(hf_llama, ids + tokens[:k]).edit(hf_llama.model.layers[0], lambda h: h + v)
+        hf.record("l2", hf_llama.model.layers[2])
+        hf.logits()
+        assert_close(rows[k], hf.records["l2"][-1])
+    clean = run(False)[0]
+    assert clean.ran_as == "batched" and list(clean.outputs[0].token_ids) != tokens
+
+    line = sys._getframe().f_lineno + 3  # (the block's line that keeps it code: a tensor's value in Python)
+    with pytest.raises(ServeError, match=rf"VLLM_NNSIGHT_ALLOW_CODE.*cannot be a plan: line {line}: uses \.norm"):
+        with model.trace("Hello", serve=spec_server.url, api_key=KEY, max_tokens=1):
+            if model.model.layers[1].output[0].norm().item() > 0:
+                h = model.model.layers[1].output[0].save()  # noqa: F841
 
 
 def test_sse_chunks_carry_each_steps_saves(spec_server, llama_path, hf_llama):
@@ -719,9 +777,13 @@ def _get(server: Server, path: str) -> dict:
         return json.loads(resp.read())
 
 
-def test_served_edit_reaches_plain_openai_requests(code_server, llama_path, hf_llama):
+@pytest.mark.parametrize("server", ["code_server", "spec_server"])
+def test_served_edit_reaches_plain_openai_requests(server, request, llama_path, hf_llama):
+    """``model.edit(serve=...)`` installs its block's plan as a spec: on a server that
+    runs no code too."""
     import openai
 
+    code_server = request.getfixturevalue(server)
     model = VLLM(llama_path)
     v = torch.linspace(-0.3, 0.3, 128)
     with model.edit(name="steer", serve=code_server.url, api_key=KEY) as (tracer, steer):

@@ -16,6 +16,18 @@ def nnsight_module_tree(self: Any) -> list[list[str]]:
     return [[name, type(module).__name__] for name, module in model.named_modules()]
 
 
+def nnsight_record_table(self: Any) -> dict[str, Any]:
+    """What a client records a served trace's blocks against (:func:`.lower.record_table`),
+    as this worker's interleaver records them."""
+    from ..engine.lower import record_table
+    from .worker_setup import worker_setup
+
+    model = self.model_runner.get_model()
+    setup = worker_setup(model, self.vllm_config)
+    return record_table(model, setup.dtype, setup.stages.stand_ins if setup.stages else None,
+                        setup.output_structure)
+
+
 def nnsight_module_table(self: Any) -> dict[str, Any]:
     """What the front end checks specs against before they reach the engine (see
     :func:`.guards.table`), and the modules other pipeline stages hold."""
@@ -120,7 +132,7 @@ def install_engine_core(engine_core_cls: type) -> None:
 
 
 def install(worker_cls: type) -> None:
-    for fn in (nnsight_module_tree, nnsight_module_table, nnsight_probe, nnsight_stats, nnsight_lane_stats,
-               nnsight_install_edit, nnsight_clear_edits):
+    for fn in (nnsight_module_tree, nnsight_record_table, nnsight_module_table, nnsight_probe, nnsight_stats,
+               nnsight_lane_stats, nnsight_install_edit, nnsight_clear_edits):
         if fn.__name__ not in worker_cls.__dict__:
             setattr(worker_cls, fn.__name__, fn)

@@ -2,7 +2,10 @@
 
 - ``GET /v1/nnsight/tree``: ``[[path, class], ...]`` of the loaded model, so a
   GPU-less client checks module paths against exactly what the server runs,
-  and ``taps``: null on an eager engine, else the tapped globs of a compiled one.
+  ``taps``: null on an eager engine, else the tapped globs of a compiled one, and
+  ``record``: what a client records a block's plan against (each module's output
+  structure, the dtype, modules under two paths), so a served trace's blocks go as
+  JSON specs, which a server runs without opting in to code.
 - ``GET /v1/nnsight/schema``: the JSON Schema of declarative specs.
 
 Added by wrapping the app builder's endpoint-plugin step, so a plain
@@ -33,11 +36,13 @@ def add_routes(app: Any) -> None:
     async def nnsight_tree(raw_request: Request) -> JSONResponse:
         engine = entrypoints.engine_client(raw_request.app)
         trees = await engine.collective_rpc("nnsight_module_tree")
+        records = await engine.collective_rpc("nnsight_record_table")
         config = getattr(engine, "vllm_config", None)
         compiled = config is not None and not configuration.runs_eager(config)
         taps = configuration.settings(config).taps.patterns if compiled else None
-        # "taps": null on an eager engine (every module reachable), else the tapped globs
-        return JSONResponse({"tree": trees[-1], "taps": taps})  # (the last pipeline stage's)
+        # "taps": null on an eager engine (every module reachable), else the tapped globs;
+        # "record": what a client records blocks against (the last pipeline stage's, as the tree)
+        return JSONResponse({"tree": trees[-1], "taps": taps, "record": records[-1]})
 
     @app.get("/v1/nnsight/schema")
     async def nnsight_schema() -> JSONResponse:

@@ -19,6 +19,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..payload import codec
+from ..payload.tapset import TapSet
 from .capture import SkipBlock
 from .tracer import _Capturing
 
@@ -89,11 +90,7 @@ class EditContext(_Capturing):
         if exc_type is not None and not issubclass(exc_type, SkipBlock):
             return False
         if self.handle.conn is not None:
-            block, values = self._block
-            payload = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
-            body = {"payload": payload, "name": self.handle.name}
-            reply = self.handle.conn.request("POST", "/v1/nnsight/edits", body)
-            self.handle.id, self.handle.installed = reply["id"], True
+            self._install_served()
             return True
         if self.model.mode == "async":
             raise RuntimeError("on an async engine use: async with model.edit(...) as (tracer, edit)")
@@ -105,6 +102,25 @@ class EditContext(_Capturing):
             raise
         self._installed(True)
         return True
+
+    def _install_served(self) -> None:
+        """Install on a served engine: the block as its recorded plan (a JSON spec, which
+        a server runs without opting in to code) where it is one, else as code."""
+        from . import served_plans
+        from .served import ServeError, noted
+
+        conn, (block, values) = self.handle.conn, self._block
+        payload = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
+        tree = conn.tree()
+        found = served_plans.plan(payload, list(tree.modules), tree.record,
+                                  None if tree.taps is None else TapSet(tree.taps))
+        if isinstance(found, served_plans.ServedPlan) and not found.lists:  # (a list's items come back
+            payload = found.payload  # under derived names on every request: those edits go as code)
+        try:
+            reply = conn.request("POST", "/v1/nnsight/edits", {"payload": payload, "name": self.handle.name})
+        except ServeError as exc:
+            raise noted(exc, served_plans.explain(found)) from None
+        self.handle.id, self.handle.installed = reply["id"], True
 
     async def __aenter__(self) -> tuple[EditContext, Edit]:
         self._block = self._capture(sys._getframe(1))

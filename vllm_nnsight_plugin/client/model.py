@@ -322,23 +322,27 @@ class VLLM(Envoy):
 
     def _run_served(self, invokes: list[Invoke], trace_sampling: dict[str, Any], url: str,
                     api_key: str | None) -> list[Any]:
-        from . import served
+        from . import served, served_plans
 
         conn = served.Connection(url, api_key)
         cache = self.__dict__.setdefault("_served", {})
         if url not in cache:
-            cache[url] = (conn.model_name(), *conn.tree())
-        name, tree, server_taps = cache[url]
+            cache[url] = (conn.model_name(), conn.tree())
+        name, tree = cache[url]
         if self._tree is None:
-            object.__setattr__(self, "_tree", tree)
-        self._check_paths(invokes, tree, None if server_taps is None else TapSet(server_taps))
-        bodies = []
+            object.__setattr__(self, "_tree", tree.modules)
+        taps = None if tree.taps is None else TapSet(tree.taps)
+        self._check_paths(invokes, tree.modules, taps)
+        bodies, plans = [], []
         for inv in invokes:
             kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
-            bodies.append(served.completion_body(name, to_prompt(inv.prompt), kw, self._payload(inv)))
-        outputs = served.post_all(conn, bodies)
-        for output in outputs:
+            payload, plan = served_plans.payload_for(self._payload(inv), kw, tree, taps)
+            bodies.append(served.completion_body(name, to_prompt(inv.prompt), kw, payload))
+            plans.append(plan)
+        outputs = served.post_all(conn, bodies, [served_plans.explain(p) for p in plans])
+        for output, plan in zip(outputs, plans):
             attach_results(output)
+            served_plans.finish(output, plan)
         return outputs
 
 

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..payload import codec
 
@@ -33,8 +33,15 @@ class ServeError(RuntimeError):
     """The server refused or failed a request (its message is included)."""
 
     def __init__(self, status: int, message: str):
-        self.status = status
+        self.status, self.message = status, message
         super().__init__(f"HTTP {status}: {message}")
+
+
+def noted(exc: ServeError, note: str | None) -> ServeError:
+    """A refusal (HTTP 400) with ``note`` added to the server's message; others as they are."""
+    if note is None or exc.status != 400:
+        return exc
+    return ServeError(exc.status, f"{exc.message} ({note})")
 
 
 class ServerUnreachable(ConnectionError):
@@ -107,10 +114,18 @@ class Connection:
     def model_name(self) -> str:
         return self.request("GET", "/v1/models")["data"][0]["id"]
 
-    def tree(self) -> tuple[dict[str, str], list[str] | None]:
-        """The server's module tree and its taps (None: an eager engine)."""
+    def tree(self) -> ServedTree:
+        """The server's module tree, its taps and its record table."""
         body = self.request("GET", "/v1/nnsight/tree")
-        return {path: cls for path, cls in body["tree"]}, body.get("taps")
+        return ServedTree({path: cls for path, cls in body["tree"]}, body.get("taps"), body.get("record"))
+
+
+class ServedTree(NamedTuple):
+    """What ``GET /v1/nnsight/tree`` tells of the served model."""
+
+    modules: dict[str, str]  # path -> class name
+    taps: list[str] | None  # the tapped globs of a compiled engine; None: an eager one serves every module
+    record: dict[str, Any] | None  # what blocks are recorded against (:func:`..engine.lower.record_table`)
 
 
 def completion_body(model_name: str, prompt: Any, sampling: dict[str, Any], payload: str | None) -> dict[str, Any]:
@@ -141,8 +156,18 @@ def to_output(resp: dict[str, Any]) -> ServedOutput:
     )
 
 
-def post_all(conn: Connection, bodies: list[dict[str, Any]]) -> list[ServedOutput]:
-    """Send the invokes concurrently (the server batches them), in order."""
+def post_all(conn: Connection, bodies: list[dict[str, Any]],
+             notes: list[str | None] | None = None) -> list[ServedOutput]:
+    """Send the invokes concurrently (the server batches them), in order. ``notes``:
+    per body, what a refusal of it (HTTP 400) should add to the server's message."""
+    notes = notes or [None] * len(bodies)
+
+    def post(body: dict[str, Any], note: str | None) -> dict[str, Any]:
+        try:
+            return conn.request("POST", "/v1/completions", body)
+        except ServeError as exc:
+            raise noted(exc, note) from None
+
     with ThreadPoolExecutor(max_workers=min(len(bodies), 32)) as pool:
-        responses = list(pool.map(lambda b: conn.request("POST", "/v1/completions", b), bodies))
+        responses = list(pool.map(post, bodies, notes))
     return [to_output(r) for r in responses]

@@ -78,13 +78,7 @@ def recorder(model: torch.nn.Module, dtype: torch.dtype, shared: frozenset[int],
     module's forward from where this pipeline stage holds a placeholder for it;
     ``structure_of``: what a module returns where its forward's annotation does not say
     (the boundary's: vLLM's linears return ``(output, bias)``)."""
-    stand_ins = stand_ins or {}
-
-    def structure(module: torch.nn.Module) -> int | None:
-        found = structure_of(module) if structure_of is not None else None
-        return found if found is not None else output_structure(stand_ins.get(id(module), type(module)))
-
-    rec = Recorder(dtype, shared, structure)
+    rec = Recorder(dtype, shared, _structure_fn(stand_ins, structure_of))
     root = RecEnvoy(rec, model, "")
     tracer = RecTracer(rec)
 
@@ -101,6 +95,63 @@ def recorder(model: torch.nn.Module, dtype: torch.dtype, shared: frozenset[int],
         raise ValueError(f"unknown reference {ref!r}")
 
     return rec, resolve
+
+
+def _structure_fn(stand_ins: dict[int, type] | None,
+                  structure_of: Callable[[torch.nn.Module], int | None] | None) -> Callable[[Any], int | None]:
+    stand_ins = stand_ins or {}
+
+    def structure(module: torch.nn.Module) -> int | None:
+        found = structure_of(module) if structure_of is not None else None
+        return found if found is not None else output_structure(stand_ins.get(id(module), type(module)))
+
+    return structure
+
+
+def record_table(model: torch.nn.Module, dtype: torch.dtype, stand_ins: dict[int, type] | None = None,
+                 structure_of: Callable[[torch.nn.Module], int | None] | None = None) -> dict[str, Any]:
+    """What a client needs to record blocks as this engine would (a served trace
+    records its blocks itself: :func:`table_recorder`): the activations' dtype, each
+    module's output structure where known, and the paths of modules reachable by more
+    than one path (never planned). JSON-native."""
+    structure = _structure_fn(stand_ins, structure_of)
+    paths: dict[int, list[str]] = defaultdict(list)
+    structures: dict[str, int] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths[id(module)].append(path)
+        found = structure(module)
+        if found is not None and path:
+            structures[path] = found
+    shared = sorted(p for ps in paths.values() if len(ps) > 1 for p in ps)
+    return {"dtype": str(dtype).removeprefix("torch."), "structures": structures, "shared": shared}
+
+
+class _Stub:
+    """A module of a served model as the recorder sees it: its children and what it returns."""
+
+    __slots__ = ("_modules", "structure")
+
+    def __init__(self) -> None:
+        self._modules: dict[str, _Stub] = {}
+        self.structure: int | None = None
+
+
+def table_recorder(paths: list[str], table: dict[str, Any]) -> tuple[Recorder, Callable]:
+    """A recording over a served model known only by its module paths and its
+    :func:`record_table` (no weights, no vLLM): the same plans the server's workers make."""
+    dtype = getattr(torch, str(table.get("dtype", "")), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"the server's record table names no float dtype ({table.get('dtype')!r})")
+    root, shared = _Stub(), set()
+    structures, aliases = table.get("structures", {}), set(table.get("shared", ()))
+    for path in [*paths, *sorted(aliases)]:
+        node = root
+        for part in path.split(".") if path else ():
+            node = node._modules.setdefault(part, _Stub())
+        node.structure = structures.get(path)
+        if path in aliases:
+            shared.add(id(node))
+    return recorder(root, dtype, frozenset(shared), structure_of=lambda m: m.structure)
 
 
 def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: dict[str, Any],

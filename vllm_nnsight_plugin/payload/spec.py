@@ -38,10 +38,10 @@ MAX_STEPS = 4096
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _MODULE = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
-_LOCATION = ("io", "index", "positions", "steps")
+_LOCATION = ("io", "index", "structure", "positions", "steps")
 # op -> (required fields, optional fields), as in the schema's $defs
 FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "read": (("op", "name", "module"), ("io", "index", "sum", "positions", "steps")),
+    "read": (("op", "name", "module"), ("io", "index", "structure", "sum", "positions", "steps")),
     "logits": (("op", "name"), ("steps",)),
     "logits_topk": (("op", "name", "k"), ("steps",)),
     "add": (("op", "module", "value"), _LOCATION),
@@ -183,6 +183,8 @@ def _check_op(op: Any, i: int, max_width: int | None) -> None:
         c.fail("io", f"{op['io']!r:.40} is not one of 'output', 'input'")
     if op.get("index") is not None:
         op["index"] = c.integer("index", 0, 16)
+    if "structure" in op:  # (what a recorded plan assumed the module returns: plan_ops.check_structure)
+        op["structure"] = c.integer("structure", 0, 16)
     if "sum" in op and type(op["sum"]) is not bool:
         c.fail("sum", "must be true or false")
     if is_integer(op.get("positions")):
