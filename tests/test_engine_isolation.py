@@ -129,9 +129,9 @@ def test_identical_edit_specs_share_prompt_kv_and_nothing_else_does(llama):
 
     llm = llama.vllm_entrypoint
     steer = json.dumps({"v": 1, "kind": "spec", "ops": [
-        {"op": "add", "module": "model.layers.0", "index": 0, "value": [0.5] * 64, "steps": "all"}]})
+        {"op": "add", "module": "model.layers.0", "index": 0, "value": [0.5] * 128, "steps": "all"}]})
     other = json.dumps({"v": 1, "kind": "spec", "ops": [
-        {"op": "add", "module": "model.layers.0", "index": 0, "value": [-0.5] * 64, "steps": "all"}]})
+        {"op": "add", "module": "model.layers.0", "index": 0, "value": [-0.5] * 128, "steps": "all"}]})
     read = json.dumps({"v": 1, "kind": "spec", "ops": [
         {"op": "read", "name": "h", "module": "model.layers.0", "index": 0, "steps": "all"}]})
 
@@ -144,6 +144,8 @@ def test_identical_edit_specs_share_prompt_kv_and_nothing_else_does(llama):
     clean = llm.generate([LONG], params(None), use_tqdm=False)[0]
     first = llm.generate([LONG], params(steer), use_tqdm=False)[0]
     again = llm.generate([LONG], params(steer), use_tqdm=False)[0]
+    results(first), results(again)  # (each ran its edit: an error would raise here)
+    assert len(first.outputs[0].token_ids) == len(again.outputs[0].token_ids) == 3
     assert not first.num_cached_tokens  # nothing computed under this edit yet (and not the clean KV)
     assert again.num_cached_tokens and again.num_cached_tokens > 200  # the first one's, same edit
     tokens, lps = _tokens_and_logprobs(first)
@@ -157,6 +159,37 @@ def test_identical_edit_specs_share_prompt_kv_and_nothing_else_does(llama):
     assert results(reading)["h"][0].shape[0] == len(reading.prompt_token_ids)
     clean_after = llm.generate([LONG], params(None), use_tqdm=False)[0]
     assert _tokens_and_logprobs(clean_after)[0] == _tokens_and_logprobs(clean)[0]
+
+
+def test_finished_traced_requests_blocks_are_zeroed_at_once_and_a_shared_specs_stay_cached(llama):
+    """Blocks of finished traced requests whose salt is their own are zeroed in the next
+    step, before any reuse (no prefix-cache lookup can hit them), one pass for a batch
+    finishing together; an edit-only spec's blocks, which its next request takes from
+    the prefix cache, wait until the pool hands them out again."""
+    llm = llama.vllm_entrypoint
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+
+    def zeroed() -> tuple[int, int]:
+        stats = llm.collective_rpc("nnsight_lane_stats")[0]
+        return stats["kv_zeroed_blocks"], stats["kv_zero_passes"]
+
+    blocks, passes = zeroed()
+    outs = llm.generate([LONG] * 4, _traced(steer_block), use_tqdm=False)  # (a lowered block: a salt of its own)
+    llm.generate(["Hello"], _plain(1), use_tqdm=False)  # a step after they finished
+    held = 4 * (len(outs[0].prompt_token_ids) // block_size)  # (fewer than the pool's free blocks: no reuse)
+    assert held < llm.llm_engine.vllm_config.cache_config.num_gpu_blocks // 4
+    after_blocks, after_passes = zeroed()
+    assert after_blocks - blocks >= held and after_passes - passes <= 2, (after_blocks - blocks, held)
+
+    spec = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "add", "module": "model.layers.0", "index": 0, "value": [0.25] * 128, "steps": "all"}]})
+    edit = _plain(3)
+    edit.extra_args = {"nnsight": spec}
+    blocks, _ = zeroed()
+    results(llm.generate([LONG], edit, use_tqdm=False)[0])
+    llm.generate(["Hello"], _plain(1), use_tqdm=False)
+    assert zeroed()[0] - blocks < len(outs[0].prompt_token_ids) // block_size  # kept for the spec's next request
+    assert llm.generate([LONG], edit, use_tqdm=False)[0].num_cached_tokens > 200
 
 
 def test_error_in_one_invoke_ends_only_that_request(llama):

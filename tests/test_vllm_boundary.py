@@ -163,6 +163,14 @@ def test_attributes_read_with_a_default_exist():
     fields = {f.name for f in dataclasses.fields(worker_utils.AttentionGroup)}
     assert {"backend", "layer_names", "kv_cache_spec", "kv_cache_group_id"} <= fields, fields
     assert "resumed_req_ids" in inspect.signature(output.CachedRequestData).parameters  # runners.resumed_ids
+    # kv_blocks: a finished traced request's blocks zeroed once the pool holds them free
+    from vllm.v1 import request as vllm_request
+    from vllm.v1.core import block_pool, kv_cache_utils
+
+    pool_init = inspect.getsource(block_pool.BlockPool.__init__)
+    assert "self.blocks: list[KVCacheBlock]" in pool_init and "self.null_block =" in pool_init
+    assert "ref_cnt" in {f.name for f in dataclasses.fields(kv_cache_utils.KVCacheBlock)}
+    assert callable(vllm_request.Request.is_finished)
     queues = set(re.findall(r"self\.(\w+) = create_request_queue", inspect.getsource(scheduler.Scheduler.__init__)))
     assert "waiting" in queues and queues <= set(engine_core.WAITING_QUEUES), queues  # engine_core.waiting_requests
 

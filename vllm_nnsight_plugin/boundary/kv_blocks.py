@@ -3,12 +3,18 @@
 An edit can put NaN or inf into a request's KV cache. When its blocks return to the
 pool and are handed to another request, the new owner writes only the slots it uses;
 an attention kernel that masks the rest by multiplying with a zero probability still
-reads them, and 0 x NaN is NaN. So the scheduler remembers the blocks of every traced
-request (a request whose cache salt is the plugin's) when it frees them, and when the
-block pool hands such a block out again, the worker zeroes it before the step that
-uses it (how: :mod:`.kv_zeroing`). Blocks still in the
-prefix cache are only ever hit by requests with the same salt, and they are not
-zeroed while cached: zeroing happens only on a fresh allocation.
+reads them, and 0 x NaN is NaN. So the scheduler tracks the blocks of every traced
+request (a request whose cache salt is the plugin's) when it frees them, and the
+worker zeroes them before the next owner's step (how: :mod:`.kv_zeroing`):
+
+- a finished request whose salt is its own (every traced request's but an edit-only
+  spec's, whose salt requests of that spec share) leaves blocks no prefix-cache
+  lookup can ever hit: they are zeroed before the next step, all of a step's finished
+  requests' blocks in one pass (a batch of requests that finish together: one pass);
+- blocks that may still be hit (an edit-only spec's, whose KV is its spec's to share;
+  a preempted request's, which it takes back when it resumes) or that vLLM returns to
+  the pool later (a free deferred past an in-flight step) are remembered, and zeroed
+  when the block pool hands one out again, before the step that uses it.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import engine_core, kv_zeroing, patching, whole_prompts
-from .whole_prompts import traced
+from .whole_prompts import keep_whole, traced
 
 DIRTY = "_nnsight_dirty_blocks"  # on the block pool: ids freed by traced requests
 PENDING = "_nnsight_blocks_to_zero"  # on the block pool: dirty ids handed out again, to zero
@@ -27,23 +33,41 @@ ZERO_ATTR = "nnsight_zero_blocks"  # on a SchedulerOutput: ids the worker zeroes
 # ----------------------------------------------------------- scheduler (EngineCore)
 
 
-def _remember(manager: Any, request: Any) -> None:
+def _held(manager: Any, request: Any) -> list[int]:
+    """The block ids a traced request holds (none for another request)."""
     if not traced(request):
-        return
+        return []
     try:
         groups = manager.get_block_ids(request.request_id)
     except Exception:  # noqa: BLE001 - a request with no blocks (yet)
-        return
+        return []
+    return [i for ids in groups for i in ids]
+
+
+def _freed(manager: Any, request: Any, ids: list[int], now: bool) -> None:
+    """After a traced request's blocks went back: to zero before the next step (``now``:
+    blocks the pool holds free that no lookup can hit), else when handed out again."""
     pool = manager.block_pool
-    dirty = pool.__dict__.setdefault(DIRTY, set())
-    for ids in groups:
-        dirty.update(ids)
+    finished = getattr(request, "is_finished", None)
+    if now and keep_whole(request) and finished is not None and finished():
+        null = getattr(getattr(pool, "null_block", None), "block_id", None)
+        free = [i for i in ids if pool.blocks[i].ref_cnt == 0 and i != null]
+        pool.__dict__.setdefault(PENDING, []).extend(free)
+        if len(free) == len(ids):
+            return
+        ids = [i for i in ids if i not in set(free)]  # (still held: zeroed once handed out again)
+    pool.__dict__.setdefault(DIRTY, set()).update(ids)
 
 
-def _freeing(original: Callable) -> Callable:
+def _freeing(original: Callable, now: bool) -> Callable:
+    """``free`` returns the blocks to the pool (``now``); ``pop_blocks_for_free`` hands
+    them to vLLM, which returns them after an in-flight step."""
     def free(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        _remember(self, request)
-        return original(self, request, *args, **kwargs)
+        ids = _held(self, request)
+        out = original(self, request, *args, **kwargs)
+        if ids:
+            _freed(self, request, ids, now)
+        return out
 
     return free
 
@@ -84,7 +108,7 @@ def install_scheduler(scheduler_cls: type) -> None:
 def install_kv_manager(manager_cls: type) -> None:
     for name in patching.KV_MANAGER_FREES:
         if hasattr(manager_cls, name):
-            patching.patch_method(manager_cls, name, _freeing)
+            patching.patch_method(manager_cls, name, lambda original, n=name: _freeing(original, n == "free"))
 
 
 def install_block_pool(pool_cls: type) -> None:

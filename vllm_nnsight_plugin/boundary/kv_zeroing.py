@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 
+STATS = {"kv_zero_passes": 0, "kv_zeroed_blocks": 0}  # since start (the lane-stats RPC)
 LAYERS = "_nnsight_kv_layers"  # on the runner: the layers to zero (None: not known, nothing zeroed)
 WHY = "_nnsight_kv_not_zeroed"  # on the runner: why not (set with LAYERS None)
 
@@ -66,6 +67,8 @@ def layers_of(runner: Any) -> list[Layer] | None:
 
 def zero(runner: Any, block_ids: list[int]) -> None:
     zero_layers(layers_of(runner) or [], block_ids)
+    STATS["kv_zero_passes"] += 1
+    STATS["kv_zeroed_blocks"] += len(block_ids)
 
 
 def zero_layers(layers: list[Layer], block_ids: list[int]) -> None:

@@ -93,10 +93,13 @@ def nnsight_lane_stats(self: Any) -> dict[str, int]:
     """Counters since start: location-steps of batched specs served by lanes (inside
     the forward's own kernels) and by Python (the tap op's handler or a hook), code
     blocks run as batched specs (``lowered``: see :mod:`.lower`), and under tensor
-    parallel the split values this rank put together and their bytes (:mod:`.shards`)."""
+    parallel the split values this rank put together and their bytes (:mod:`.shards`),
+    and the passes that zeroed KV blocks traced requests freed, and their blocks
+    (:mod:`.kv_zeroing`)."""
     from ..engine import lanes, lower, shards
+    from . import kv_zeroing
 
-    return {**lanes.STATS, **lower.STATS, **shards.STATS}
+    return {**lanes.STATS, **lower.STATS, **shards.STATS, **kv_zeroing.STATS}
 
 
 def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str) -> bool:
