@@ -631,8 +631,9 @@ def test_nnsight_style_blocks_over_http_run_as_specs_with_the_blocks_results(tap
                 out = model.model.layers[2].output
                 rows.append(out[0] + out[1])
             stream = rows.save()
-        runs.append((list(tracer.outputs[0].outputs[0].token_ids), stream))
-    (tokens, stream), (code_tokens, code_stream) = runs
+        runs.append((list(tracer.outputs[0].outputs[0].token_ids), stream, tracer.outputs[0].ran_as))
+    (tokens, stream, ran_as), (code_tokens, code_stream, code_ran_as) = runs
+    assert ran_as == "batched" and code_ran_as.startswith("code:")  # (the spec; the code the request asked for)
     assert tokens == code_tokens and len(stream) == len(code_stream) == 3
     for a, b in zip(stream, code_stream):
         assert_close(a, b, 1e-5)
@@ -673,12 +674,17 @@ def test_nnsight_style_blocks_run_on_a_server_that_runs_no_code(spec_server, lla
     assert output.ran_as == "batched"
     tokens, ids = list(output.outputs[0].token_ids), output.prompt_token_ids
     hf = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0], lambda h: h + v)
-    hf.record("l1", hf_llama.model.layers[1])
-    hf.record("l2", hf_llama.model.layers[2])
+    for name, module in (("l0", hf_llama.model.layers[0]), ("l1", hf_llama.model.layers[1]),
+                         ("l2", hf_llama.model.layers[2]), ("a1", hf_llama.model.layers[1].self_attn),
+                         ("a2", hf_llama.model.layers[2].self_attn)):
+        hf.record(name, module)
     ref = hf.logits()
     assert_close(prompt, hf.records["l1"])
     assert_close(rows[0], hf.records["l2"])
     assert len(rows) == 3 and isinstance(pair, list) and len(pair) == 2
+    # a layer's output[1] is vLLM's residual after its attention: the stream in plus the attention's output
+    assert_close(pair[0], hf.records["l0"] + hf.records["a1"])
+    assert_close(pair[1], hf.records["l1"] + hf.records["a2"])
     assert tokens[0] == int(ref[-1].argmax())
     for k in (1, 2):  # each step's rows: the steered forward over the tokens so far
         hf = HFRun(hf_llama, ids + tokens[:k]).edit(hf_llama.model.layers[0], lambda h: h + v)
@@ -689,7 +695,7 @@ def test_nnsight_style_blocks_run_on_a_server_that_runs_no_code(spec_server, lla
     assert clean.ran_as == "batched" and list(clean.outputs[0].token_ids) != tokens
 
     line = sys._getframe().f_lineno + 3  # (the block's line that keeps it code: a tensor's value in Python)
-    with pytest.raises(ServeError, match=rf"VLLM_NNSIGHT_ALLOW_CODE.*cannot be a plan: line {line}: uses \.norm"):
+    with pytest.raises(ServeError, match=rf"VLLM_NNSIGHT_ALLOW_CODE.*not as a plan: line {line}: uses \.norm"):
         with model.trace("Hello", serve=spec_server.url, api_key=KEY, max_tokens=1):
             if model.model.layers[1].output[0].norm().item() > 0:
                 h = model.model.layers[1].output[0].save()  # noqa: F841
@@ -783,16 +789,16 @@ def test_served_edit_reaches_plain_openai_requests(server, request, llama_path, 
     runs no code too."""
     import openai
 
-    code_server = request.getfixturevalue(server)
+    server = request.getfixturevalue(server)
     model = VLLM(llama_path)
     v = torch.linspace(-0.3, 0.3, 128)
-    with model.edit(name="steer", serve=code_server.url, api_key=KEY) as (tracer, steer):
+    with model.edit(name="steer", serve=server.url, api_key=KEY) as (tracer, steer):
         for _ in tracer.all():
             model.model.layers[0].output[0][:] += v
     ids = _ids(llama_path, "Hello world")
-    client = openai.OpenAI(base_url=code_server.url + "/v1", api_key=KEY)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
     try:
-        assert [e["name"] for e in _get(code_server, "/v1/nnsight/edits")["edits"]] == ["steer"]
+        assert [e["name"] for e in _get(server, "/v1/nnsight/edits")["edits"]] == ["steer"]
         resp = client.completions.create(model="tiny", prompt="Hello world", max_tokens=1, temperature=0.0,
                                           logprobs=1)  # a client that never heard of nnsight
         steered = HFRun(hf_llama, ids).edit(hf_llama.model.layers[0], lambda h: h + v).logits()[-1]
@@ -800,7 +806,7 @@ def test_served_edit_reaches_plain_openai_requests(server, request, llama_path, 
         assert abs(top - float(torch.log_softmax(steered, -1).max())) < 1e-4
     finally:
         steer.clear()
-    assert _get(code_server, "/v1/nnsight/edits")["edits"] == []
+    assert _get(server, "/v1/nnsight/edits")["edits"] == []
     resp = client.completions.create(model="tiny", prompt="Hello world", max_tokens=1, temperature=0.0, logprobs=1)
     clean = HFRun(hf_llama, ids).logits()[-1]
     assert abs(max(resp.choices[0].logprobs.top_logprobs[0].values())

@@ -19,7 +19,6 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..payload import codec
-from ..payload.tapset import TapSet
 from .capture import SkipBlock
 from .tracer import _Capturing
 
@@ -110,12 +109,10 @@ class EditContext(_Capturing):
         from .served import ServeError, noted
 
         conn, (block, values) = self.handle.conn, self._block
-        payload = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
-        tree = conn.tree()
-        found = served_plans.plan(payload, list(tree.modules), tree.record,
-                                  None if tree.taps is None else TapSet(tree.taps))
-        if isinstance(found, served_plans.ServedPlan) and not found.lists:  # (a list's items come back
-            payload = found.payload  # under derived names on every request: those edits go as code)
+        code = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
+        payload, found = served_plans.payload_for(code, None, conn.tree())
+        if isinstance(found, served_plans.ServedPlan) and found.lists:  # (a list's items would come back
+            payload = code  # under derived names on every request's output: such an edit goes as code)
         try:
             reply = conn.request("POST", "/v1/nnsight/edits", {"payload": payload, "name": self.handle.name})
         except ServeError as exc:

@@ -331,12 +331,11 @@ class VLLM(Envoy):
         name, tree = cache[url]
         if self._tree is None:
             object.__setattr__(self, "_tree", tree.modules)
-        taps = None if tree.taps is None else TapSet(tree.taps)
-        self._check_paths(invokes, tree.modules, taps)
+        self._check_paths(invokes, tree.modules, None if tree.taps is None else TapSet(tree.taps))
         bodies, plans = [], []
         for inv in invokes:
             kw = sampling_kwargs(trace_sampling, inv.sampling, DEFAULT_TRACE_MAX_TOKENS)
-            payload, plan = served_plans.payload_for(self._payload(inv), kw, tree, taps)
+            payload, plan = served_plans.payload_for(self._payload(inv), kw.get("extra_args"), tree)
             bodies.append(served.completion_body(name, to_prompt(inv.prompt), kw, payload))
             plans.append(plan)
         outputs = served.post_all(conn, bodies, [served_plans.explain(p) for p in plans])

@@ -4,10 +4,13 @@ make of them (:mod:`..engine.lower`), and sent as JSON specs.
 Code payloads are remote code execution, so a server runs them only where its
 operator opted in (``VLLM_NNSIGHT_ALLOW_CODE=1``); a JSON spec runs on every server.
 Recording needs no weights: the server lists its modules and, for each, what its
-forward returns, the activations' dtype and the modules reachable by two paths
-(``GET /v1/nnsight/tree``'s ``record``). A block that cannot be a plan (control
-flow on a tensor's value, ``.item()``, a call that needs real tensors) goes as code,
-and a server's refusal of it says which line kept it code and why.
+forward returns, the activations' dtype, the modules reachable by two paths and those
+whose input is an index tensor (``GET /v1/nnsight/tree``'s ``record``). The block
+runs here against stand-ins, as the worker would run it (no time bound: it is the
+caller's own code, and the caller's timers stay untouched). A block that cannot be a
+plan, or whose plan the server would refuse (an untapped location, an index tensor's
+edit), goes as code, as it would run as code in the worker; a refusal of it says which
+line kept it code and why.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import lower
-from ..payload import codec, request_args
+import torch
+
+from ..engine import guards, lower
+from ..payload import codec, request_args, spec
+from ..payload import values as tagged
 from ..payload.tapset import TapSet
 
 
@@ -34,73 +40,108 @@ class ServedPlan:
     first_line: int
 
 
-Plan = ServedPlan | lower.Fallback | None  # None: nothing to record (no block, or code asked for)
+Plan = ServedPlan | lower.Fallback | None  # None: nothing recorded (no block, or code asked for)
 
 
-def payload_for(code_payload: str | None, sampling: dict[str, Any], tree: Any,
-                taps: TapSet | None) -> tuple[str | None, Plan]:
+def payload_for(code_payload: str | None, extra_args: dict[str, Any] | None, tree: Any) -> tuple[str | None, Plan]:
     """What an invoke sends: its block as a spec where it records as one, else its code
-    payload (and why). ``tree``: the server's :class:`.served.ServedTree`; ``taps``: the
-    locations a compiled server serves (None: every module)."""
+    payload (and why). ``tree``: the server's :class:`.served.ServedTree`."""
     if code_payload is None:
         return None, None
-    args = request_args.parse(sampling.get("extra_args"))
+    args = request_args.parse(extra_args)
     if not args.lower or args.stream:  # (asked to run as code, or saves streamed per step: code)
         return code_payload, None
-    found = plan(code_payload, list(tree.modules), tree.record, taps)
+    found = plan(code_payload, tree)
     return (found.payload, found) if isinstance(found, ServedPlan) else (code_payload, found)
 
 
-def plan(code_payload: str, paths: list[str], table: dict[str, Any] | None,
-         taps: TapSet | None) -> ServedPlan | lower.Fallback:
+def plan(code_payload: str, tree: Any) -> ServedPlan | lower.Fallback:
     """The block of ``code_payload`` (an invoke's code envelope) as a spec over the
-    served model (its module ``paths`` and record ``table``). A Fallback where it
-    cannot be one, or where the server sends no record table."""
+    served model, or why it goes as code."""
     env = codec.parse_envelope(code_payload)
-    if table is None:
+    if tree.record is None:
         return lower.Fallback("the server sends no record table (an older plugin)", env["lineno"])
-    rec, resolve = lower.table_recorder(paths, table)
-    values = codec.load_code(env, resolve).values
-    if any(isinstance(v, codec.SharedList) for v in values.values()):
-        return lower.Fallback("it writes into a list the trace saved", env["lineno"])
-    found = lower.plan_block(rec, env["source"], env["filename"], env["lineno"], values)
-    if isinstance(found, lower.Fallback):
-        return found
-    ops = [dict(op) for op in found.spec["ops"]]
-    for op, line in zip(ops, found.lines):
-        io = op.get("io", "output")
-        if taps is not None and "module" in op and not taps.matches(op["module"], io):
-            return lower.Fallback(f"{op['module']}.{io} is not tapped on the server", line)
-    renamed: dict[str, str] = {}
-    lists = []
-    for k, (name, items) in enumerate(found.lists):  # (derived names the server ships: no "__")
-        renamed.update({item: f"_l{k}.{i}" for i, item in enumerate(items)})
-        lists.append((name, tuple(renamed[item] for item in items)))
-    for op in ops:
-        if op.get("name") in renamed:
-            op["name"] = renamed[op["name"]]
-    return ServedPlan(found, json.dumps({**found.spec, "ops": ops}), tuple(lists), env["filename"],
+    try:
+        rec, resolve = lower.table_recorder(list(tree.modules), tree.record)
+        values = codec.load_code(env, resolve).values
+        if any(isinstance(v, codec.SharedList) for v in values.values()):  # (merged back as code's copy is)
+            return lower.Fallback("it writes into a list the trace saved", env["lineno"])
+        found = lower.plan_block(rec, env["source"], env["filename"], env["lineno"], values, seconds=0)
+        if isinstance(found, lower.Fallback):
+            return found
+        return _served(found, env, tree)
+    except Exception as exc:  # noqa: BLE001 - the recorder's own failure, or a table it cannot read: code
+        return lower.Fallback(f"recording it here failed ({type(exc).__name__}: {str(exc)[:200]})", env["lineno"])
+
+
+def _served(found: lower.Lowered, env: dict[str, Any], tree: Any) -> ServedPlan | lower.Fallback:
+    """The recorded spec as sent: checked as the server checks it, list items under names
+    the server ships, values as base64 tensors (as compact as the code payload's)."""
+    taps = None if tree.taps is None else TapSet(tree.taps)
+    integer_inputs = frozenset(tree.record.get("integer_inputs") or ())
+    renamed = {item: f"_l{k}.{i}" for k, (_, items) in enumerate(found.lists) for i, item in enumerate(items)}
+    ops = []
+    for op, line in zip(found.spec["ops"], found.lines):
+        op = {**op, "name": renamed.get(op["name"], op["name"])} if "name" in op else dict(op)
+        if isinstance(op.get("value"), list):
+            op["value"] = _tensor(op["value"])
+        try:
+            spec.validate(codec.spec_envelope([op]))
+            guards.refuse_integer_writes(codec.spec_envelope([op]), integer_inputs)
+            for path, io in _locations(op):
+                if path not in tree.modules:
+                    raise codec.PayloadError(f"{path or 'the model'} is not a module of the served model")
+                if taps is not None and not taps.matches(path, io):
+                    raise codec.PayloadError(f"{path}.{io} is not tapped on the server")
+        except codec.PayloadError as exc:
+            return lower.Fallback(str(exc)[:300], line)
+        ops.append(op)
+    lists = tuple((name, tuple(renamed[item] for item in items)) for name, items in found.lists)
+    return ServedPlan(found, json.dumps(codec.spec_envelope(ops)), lists, env["filename"],
                       tuple(env["source"].splitlines()), env["lineno"])
 
 
+def _locations(op: dict[str, Any]) -> list[tuple[str, str]]:
+    if op["op"] == "cache":
+        from ..engine.cache import ios
+
+        return [(path, io) for path in op.get("modules") or () for io in ios(op)]
+    return [(op["module"], op.get("io", "output"))] if "module" in op else []
+
+
+def _tensor(value: list[Any]) -> dict[str, Any]:
+    """A recorded value (float64 numbers) as a base64 tensor: float32 where that holds it exactly."""
+    t = torch.tensor(value, dtype=torch.float64)
+    if torch.equal(t.float().double(), t):
+        t = t.float()
+    return {"$tensor": tagged.encode_tensor(t)}
+
+
 def explain(found: Plan) -> str | None:
-    """What a server's refusal of a block sent as code should add: why it was not a plan."""
+    """What a server's refusal of a block sent as code should add: why it went as code."""
     if not isinstance(found, lower.Fallback):
         return None
-    return f"the block was sent as code, which this server may not run, because it cannot be a plan: " \
-           f"line {found.line}: {found.why}"
+    return f"the block was sent as code, which this server may not run, not as a plan: line {found.line}: {found.why}"
 
 
 def finish(output: Any, found: Plan) -> None:
-    """A spec's results as the block's: saved lists gathered under their names (on the
-    output and each sequence), and an op's error named by the block's line."""
+    """A spec's results as the block's: saved lists gathered under their names (each
+    sequence's, then merged as :func:`.codec.merge_sequences` merges), and an op's
+    error named by the block's line."""
     if not isinstance(found, ServedPlan):
         return
-    for holder in (output, *getattr(output, "outputs", ())):
-        saves = getattr(holder, "saves", None)
-        for name, items in found.lists if saves else ():
+    sequences = getattr(output, "nnsight_sequence_saves", None)
+    holders = [*(sequences or ()), *(c.saves for c in getattr(output, "outputs", ()) if getattr(c, "saves", None))]
+    if sequences is None and getattr(output, "saves", None):
+        holders.append(output.saves)
+    for saves in {id(s): s for s in holders}.values():
+        for name, items in found.lists:
             if all(item in saves for item in items):
                 saves[name] = [saves.pop(item) for item in items]
+    if sequences is not None:  # (n > 1: every name a list of the sequences' values)
+        names = dict.fromkeys(name for saves in sequences for name in saves)
+        output.saves = {name: [saves.get(name) for saves in sequences] for name in names}
+    for holder in (output, *getattr(output, "outputs", ())):
         error = getattr(holder, "nnsight_error", None)
         if isinstance(error, dict) and error.get("message"):
             holder.nnsight_error = _relabel(error, found)

@@ -114,16 +114,23 @@ def record_table(model: torch.nn.Module, dtype: torch.dtype, stand_ins: dict[int
     records its blocks itself: :func:`table_recorder`): the activations' dtype, each
     module's output structure where known, and the paths of modules reachable by more
     than one path (never planned). JSON-native."""
+    from .guards import table
+
     structure = _structure_fn(stand_ins, structure_of)
     paths: dict[int, list[str]] = defaultdict(list)
     structures: dict[str, int] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         paths[id(module)].append(path)
         found = structure(module)
-        if found is not None and path:
+        if found is not None:
             structures[path] = found
     shared = sorted(p for ps in paths.values() if len(ps) > 1 for p in ps)
-    return {"dtype": str(dtype).removeprefix("torch."), "structures": structures, "shared": shared}
+    return {"dtype": str(dtype).removeprefix("torch."), "structures": structures, "shared": shared,
+            "integer_inputs": table(model)["integer_inputs"]}
+
+
+_TABLE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "float64": torch.float64}
 
 
 class _Stub:
@@ -138,17 +145,20 @@ class _Stub:
 
 def table_recorder(paths: list[str], table: dict[str, Any]) -> tuple[Recorder, Callable]:
     """A recording over a served model known only by its module paths and its
-    :func:`record_table` (no weights, no vLLM): the same plans the server's workers make."""
-    dtype = getattr(torch, str(table.get("dtype", "")), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"the server's record table names no float dtype ({table.get('dtype')!r})")
-    root, shared = _Stub(), set()
-    structures, aliases = table.get("structures", {}), set(table.get("shared", ()))
+    :func:`record_table` (no weights, no vLLM): the same plans the server's workers make.
+    Raises ValueError for a table it cannot read."""
+    dtype = _TABLE_DTYPES.get(table.get("dtype"))  # (the server's word: only names, no lookups)
+    structures, aliases = table.get("structures"), table.get("shared")
+    if dtype is None or not isinstance(structures, dict) or not isinstance(aliases, list) \
+            or not all(isinstance(p, str) for p in [*paths, *aliases]):
+        raise ValueError("the server's record table is not one this client reads")
+    root, shared, aliases = _Stub(), set(), set(aliases)
     for path in [*paths, *sorted(aliases)]:
         node = root
         for part in path.split(".") if path else ():
             node = node._modules.setdefault(part, _Stub())
-        node.structure = structures.get(path)
+        found = structures.get(path)
+        node.structure = found if type(found) is int and 0 <= found <= 16 else None
         if path in aliases:
             shared.add(id(node))
     return recorder(root, dtype, frozenset(shared), structure_of=lambda m: m.structure)

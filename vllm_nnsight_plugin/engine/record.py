@@ -311,7 +311,11 @@ def _refuse_call(rec: Recorder, what: str) -> Any:
 @contextlib.contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
     """Interrupt a recording that runs too long: a signal on the main thread (it also
-    ends a sleep), else an exception set asynchronously on this thread."""
+    ends a sleep), else an exception set asynchronously on this thread. 0: no bound
+    (a client recording its own block: its timers and signals stay its own)."""
+    if seconds <= 0:
+        yield
+        return
     if threading.current_thread() is not threading.main_thread():
         ident = threading.get_ident()
         timer = threading.Timer(seconds, lambda: ctypes.pythonapi.PyThreadState_SetAsyncExc(
@@ -339,7 +343,7 @@ def _deadline(seconds: float) -> Iterator[None]:
 def run_block(rec: Recorder, code: Any, values: dict[str, Any], lineno: int,
               seconds: float = RECORD_TIME_S) -> dict[str, Any]:
     """Run the block's code against the proxies in ``values``: its namespace after.
-    ``seconds``: how long the recording may run."""
+    ``seconds``: how long the recording may run (0: unbounded)."""
     rec.code = code
     namespace = rec.namespace = dict(values)
     namespace["__nnsight_save__"] = rec.save
@@ -370,7 +374,9 @@ def run_block(rec: Recorder, code: Any, values: dict[str, Any], lineno: int,
 def _rng_states() -> tuple:
     import random
 
-    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
+    # (CUDA's only once started: a client recording its block must not start it; a block
+    # that starts it to draw changes the count, which counts as drawn)
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
     return torch.random.get_rng_state(), cuda, random.getstate()
 
 
