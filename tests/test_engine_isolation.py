@@ -192,6 +192,25 @@ def test_finished_traced_requests_blocks_are_zeroed_at_once_and_a_shared_specs_s
     assert llm.generate([LONG], edit, use_tqdm=False)[0].num_cached_tokens > 200
 
 
+def test_a_callers_salt_like_the_plugins_is_not_taken_for_a_traced_requests(llama):
+    """The engine core tells traced requests by their salt's prefix and zeroes a finished
+    one's blocks at once (no lookup can hit them): an untraced caller's salt that starts
+    the same way gets a prefix of its own, so its next request still takes its prompt's
+    KV from the prefix cache, intact."""
+    llm = llama.vllm_entrypoint
+    reference = llm.generate([LONG], _plain(3), use_tqdm=False)[0]
+    salted = {"prompt": LONG, "cache_salt": "nnsight-mine"}
+    llm.generate([salted], _plain(3), use_tqdm=False)
+    llm.generate(["Hello"], _plain(1), use_tqdm=False)  # (a step after it finished)
+    again = llm.generate([salted], _plain(3), use_tqdm=False)[0]
+    assert again.num_cached_tokens and again.num_cached_tokens > 200
+    tokens, lps = _tokens_and_logprobs(again)
+    ref_tokens, ref_lps = _tokens_and_logprobs(reference)
+    assert tokens == ref_tokens
+    for a, b in zip(lps, ref_lps):
+        assert a.keys() == b.keys() and all(abs(a[t][0] - b[t][0]) < 1e-4 for t in a)
+
+
 def test_error_in_one_invoke_ends_only_that_request(llama):
     with pytest.raises(ZeroDivisionError) as info:
         with llama.trace(temperature=0.0, max_tokens=4) as tracer:

@@ -187,6 +187,8 @@ def _process_inputs(original: Callable) -> Callable:
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None or edits.INSTALLED:
             entrypoints.salt_request(request, cache_salt(raw, env))
+        elif (request.cache_salt or "").startswith(SALT_PREFIX):  # (the engine core tells traced requests
+            request.cache_salt = f"caller:{request.cache_salt}"  # by the prefix: a caller's salt never has it)
         return request
 
     return process_inputs

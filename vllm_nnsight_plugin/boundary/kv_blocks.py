@@ -8,9 +8,11 @@ request (a request whose cache salt is the plugin's) when it frees them, and the
 worker zeroes them before the next owner's step (how: :mod:`.kv_zeroing`):
 
 - a finished request whose salt is its own (every traced request's but an edit-only
-  spec's, whose salt requests of that spec share) leaves blocks no prefix-cache
-  lookup can ever hit: they are zeroed before the next step, all of a step's finished
-  requests' blocks in one pass (a batch of requests that finish together: one pass);
+  spec's, whose salt requests of that spec share; the front end gives a caller's salt
+  that looks like the plugin's a prefix of its own: ``frontend``) leaves blocks no
+  prefix-cache lookup can ever hit: they are zeroed before the next step, all of a
+  step's finished requests' blocks in one pass (a batch of requests that finish
+  together: one pass);
 - blocks that may still be hit (an edit-only spec's, whose KV is its spec's to share;
   a preempted request's, which it takes back when it resumes) or that vLLM returns to
   the pool later (a free deferred past an in-flight step) are remembered, and zeroed
@@ -33,15 +35,21 @@ ZERO_ATTR = "nnsight_zero_blocks"  # on a SchedulerOutput: ids the worker zeroes
 # ----------------------------------------------------------- scheduler (EngineCore)
 
 
-def _held(manager: Any, request: Any) -> list[int]:
-    """The block ids a traced request holds (none for another request)."""
+def _held(manager: Any, request: Any) -> tuple[list[int], bool]:
+    """The block ids a traced request holds (none for another request), and whether
+    each is known to be the manager's pool's (a group of another pool, e.g. a
+    host-memory one, is left out; where the groups' pools cannot be told, False)."""
     if not traced(request):
-        return []
+        return [], False
     try:
         groups = manager.get_block_ids(request.request_id)
     except Exception:  # noqa: BLE001 - a request with no blocks (yet)
-        return []
-    return [i for ids in groups for i in ids]
+        return [], False
+    managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", None)
+    pool = manager.block_pool
+    if managers is None or len(managers) != len(groups):
+        return [i for ids in groups for i in ids], False
+    return [i for m, ids in zip(managers, groups) if getattr(m, "block_pool", None) is pool for i in ids], True
 
 
 def _freed(manager: Any, request: Any, ids: list[int], now: bool) -> None:
@@ -51,11 +59,11 @@ def _freed(manager: Any, request: Any, ids: list[int], now: bool) -> None:
     finished = getattr(request, "is_finished", None)
     if now and keep_whole(request) and finished is not None and finished():
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
-        free = [i for i in ids if pool.blocks[i].ref_cnt == 0 and i != null]
+        free = {i for i in ids if pool.blocks[i].ref_cnt == 0 and i != null}
         pool.__dict__.setdefault(PENDING, []).extend(free)
-        if len(free) == len(ids):
+        ids = [i for i in ids if i not in free]  # (still held: zeroed once handed out again)
+        if not ids:
             return
-        ids = [i for i in ids if i not in set(free)]  # (still held: zeroed once handed out again)
     pool.__dict__.setdefault(DIRTY, set()).update(ids)
 
 
@@ -63,10 +71,10 @@ def _freeing(original: Callable, now: bool) -> Callable:
     """``free`` returns the blocks to the pool (``now``); ``pop_blocks_for_free`` hands
     them to vLLM, which returns them after an in-flight step."""
     def free(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        ids = _held(self, request)
+        ids, exact = _held(self, request)
         out = original(self, request, *args, **kwargs)
         if ids:
-            _freed(self, request, ids, now)
+            _freed(self, request, ids, now and exact)
         return out
 
     return free
