@@ -205,6 +205,43 @@ def test_sliding_window_layers_blocks_are_zeroed_too(sliding):
         _assert_same(llm.generate(PROMPTS, [_plain()] * 3, use_tqdm=False), reference)
 
 
+@pytest.fixture(scope="module")
+def sliding_small(ckpt_root):
+    """The sliding-window Mistral with a pool of a few requests' blocks: freed blocks
+    come round again within a test."""
+    from conftest import ENGINE_KWARGS
+
+    from vllm_nnsight_plugin import VLLM, tiny
+
+    model = VLLM(str(tiny.ensure("mistral_sliding", ckpt_root)), dispatch=True, dtype="float32",
+                 max_model_len=512, max_num_seqs=4, enable_prefix_caching=True, seed=0,
+                 num_gpu_blocks_override=96, **ENGINE_KWARGS)
+    yield model
+    model.shutdown()
+
+
+def test_blocks_a_sliding_window_drops_mid_request_are_zeroed_before_reuse(sliding_small):
+    """A running traced request's blocks its window has left go back to the pool with
+    its (edited) KV, mid-request: they are zeroed when handed out again, as the blocks
+    of its end are. Counted by the worker's zeroing (``kv_zeroed_blocks``): the later
+    plain requests cycle the whole pool, so every block the traced request ever held is
+    zeroed before its next owner's step."""
+    llm = sliding_small.vllm_entrypoint
+    config = llm.llm_engine.vllm_config.cache_config
+    long = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 24)
+    steer = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, extra_args={"nnsight": _spec(
+        {"op": "add", "module": "model.layers.0", "index": 0, "value": [0.5] * 128, "steps": "all"})})
+    before = llm.collective_rpc("nnsight_lane_stats")[0]["kv_zeroed_blocks"]
+    out = llm.generate([long], steer, use_tqdm=False)[0]
+    results(out)  # (it ran its edit to the end)
+    held = -(-(len(out.prompt_token_ids) + 16) // config.block_size)  # every block it ever had
+    assert held > 2 * 16 // config.block_size + 2  # (most of them out of the 16-token window mid-request)
+    for i in range(3 * config.num_gpu_blocks // held):  # plain requests over the whole pool, three times
+        llm.generate([f"Request {i}: {long}"], _plain(), use_tqdm=False)
+    zeroed = llm.collective_rpc("nnsight_lane_stats")[0]["kv_zeroed_blocks"] - before
+    assert zeroed >= held, (zeroed, held, config.block_size, config.num_gpu_blocks)
+
+
 def _kv_zeroing_lost(worker) -> None:
     """In each worker: the state kv_zeroing leaves where it cannot place a layout (its
     finding is tested in test_kv_zeroing.py with vLLM's own attention groups)."""

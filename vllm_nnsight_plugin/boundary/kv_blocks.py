@@ -14,9 +14,10 @@ worker zeroes them before the next owner's step (how: :mod:`.kv_zeroing`):
   step's finished requests' blocks in one pass (a batch of requests that finish
   together: one pass);
 - blocks that may still be hit (an edit-only spec's, whose KV is its spec's to share;
-  a preempted request's, which it takes back when it resumes) or that vLLM returns to
-  the pool later (a free deferred past an in-flight step) are remembered, and zeroed
-  when the block pool hands one out again, before the step that uses it.
+  a preempted request's, which it takes back when it resumes; those a running request
+  drops, e.g. a sliding-window layer's blocks the window has left) or that vLLM returns
+  to the pool later (a free deferred past an in-flight step) are remembered, and
+  zeroed when the block pool hands one out again, before the step that uses it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from . import engine_core, kv_zeroing, patching, whole_prompts
 from .whole_prompts import keep_whole, traced
 
 DIRTY = "_nnsight_dirty_blocks"  # on the block pool: ids freed by traced requests
+RUNNING = "_nnsight_traced_running"  # on the block pool: ids of traced requests it holds blocks for
 PENDING = "_nnsight_blocks_to_zero"  # on the block pool: dirty ids handed out again, to zero
 ZERO_ATTR = "nnsight_zero_blocks"  # on a SchedulerOutput: ids the worker zeroes before the step
 
@@ -67,6 +69,26 @@ def _freed(manager: Any, request: Any, ids: list[int], now: bool) -> None:
     pool.__dict__.setdefault(DIRTY, set()).update(ids)
 
 
+def _dropping(original: Callable) -> Callable:
+    """A running traced request's blocks it no longer reads (out of a sliding window)
+    go back to the pool with their KV: remembered, to zero when handed out again. As
+    vLLM walks them: back from the range's end to the first block it already dropped."""
+    def drop(self: Any, request_id: str, first_block: int, last_block: int, *args: Any, **kwargs: Any) -> Any:
+        pool = self.block_pool
+        blocks = self.req_to_blocks.get(request_id) if request_id in pool.__dict__.get(RUNNING, ()) else None
+        ids = []
+        for i in range(min(last_block, len(blocks)) - 1, first_block - 1, -1) if blocks else ():
+            if getattr(blocks[i], "is_null", False):
+                break
+            ids.append(blocks[i].block_id)
+        out = original(self, request_id, first_block, last_block, *args, **kwargs)
+        if ids:
+            pool.__dict__.setdefault(DIRTY, set()).update(i for i in ids if pool.blocks[i].ref_cnt == 0)
+        return out
+
+    return drop
+
+
 def _freeing(original: Callable, now: bool) -> Callable:
     """``free`` returns the blocks to the pool (``now``); ``pop_blocks_for_free`` hands
     them to vLLM, which returns them after an in-flight step."""
@@ -75,6 +97,9 @@ def _freeing(original: Callable, now: bool) -> Callable:
         out = original(self, request, *args, **kwargs)
         if ids:
             _freed(self, request, ids, now and exact)
+        finished = getattr(request, "is_finished", None)
+        if finished is not None and finished():
+            self.block_pool.__dict__.get(RUNNING, set()).discard(request.request_id)
         return out
 
     return free
@@ -100,6 +125,10 @@ def _schedule(original: Callable) -> Callable:
         with whole_prompts.scheduling(self):  # (the one wrap of schedule(): both happen here)
             output = original(self, *args, **kwargs)
         pool = engine_core.scheduler_block_pool(self)
+        for new in output.scheduled_new_reqs if pool is not None else ():  # (what its later drops are)
+            request = self.requests.get(new.req_id)
+            if request is not None and traced(request):
+                pool.__dict__.setdefault(RUNNING, set()).add(new.req_id)
         pending = pool.__dict__.get(PENDING) if pool is not None else None
         if pending:
             setattr(output, ZERO_ATTR, list(pending))
@@ -121,6 +150,10 @@ def install_kv_manager(manager_cls: type) -> None:
 
 def install_block_pool(pool_cls: type) -> None:
     patching.patch_method(pool_cls, patching.BLOCK_POOL_ALLOCATE, _get_new_blocks)
+
+
+def install_single_type_manager(manager_cls: type) -> None:
+    patching.patch_method(manager_cls, patching.KV_MANAGER_DROP, _dropping)
 
 
 # ----------------------------------------------------------------- worker

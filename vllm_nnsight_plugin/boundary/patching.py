@@ -46,6 +46,10 @@ KV_MANAGER_FREES = ("free", "pop_blocks_for_free")  # (request): a request's blo
 BLOCK_POOL = ("vllm.v1.core.block_pool", "BlockPool")
 
 
+SINGLE_TYPE_MANAGER = ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager")
+KV_MANAGER_DROP = "_remove_blocks_in_range"  # (request_id, first, last): blocks a running request no longer reads
+
+
 BLOCK_POOL_ALLOCATE = "get_new_blocks"  # (num_blocks) -> blocks: the only fresh allocation
 
 
@@ -105,6 +109,7 @@ PATCHED: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
     **{queue: {"peek_request": ("self",)} for queue in WAITING_QUEUES},
     KV_CACHE_MANAGER: {name: ("self", "request") for name in KV_MANAGER_FREES},
     BLOCK_POOL: {BLOCK_POOL_ALLOCATE: ("self", "num_blocks")},
+    SINGLE_TYPE_MANAGER: {KV_MANAGER_DROP: ("self", "request_id", "first_block", "last_block")},
     INPUT_PROCESSOR: {"process_inputs": ("self", "request_id", "prompt", "params")},
     MSGPACK_DECODER: {"decode": ("self", "bufs")},
     OUTPUT_PROCESSOR: {"process_outputs": ("self", "engine_core_outputs"),
