@@ -175,6 +175,9 @@ def _spec_salt(raw: str | bytes) -> str:
     return f"{SHARED_SPEC_SALT}{hashlib.sha256(text).hexdigest()}"
 
 
+CALLER_SALT = "caller:"  # before a caller's own salt that starts like the plugin's (or like this)
+
+
 def _process_inputs(original: Callable) -> Callable:
     def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         asked = request_args.parse(entrypoints.sampling_extra_args(params))  # (a bad value: refused here)
@@ -187,8 +190,8 @@ def _process_inputs(original: Callable) -> Callable:
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None or edits.INSTALLED:
             entrypoints.salt_request(request, cache_salt(raw, env))
-        elif (request.cache_salt or "").startswith(SALT_PREFIX):  # (the engine core tells traced requests
-            request.cache_salt = f"caller:{request.cache_salt}"  # by the prefix: a caller's salt never has it)
+        elif (request.cache_salt or "").startswith((SALT_PREFIX, CALLER_SALT)):  # (the engine core tells traced
+            request.cache_salt = f"{CALLER_SALT}{request.cache_salt}"  # requests by the prefix: one to one)
         return request
 
     return process_inputs

@@ -29,7 +29,7 @@ from . import engine_core, kv_zeroing, patching, whole_prompts
 from .whole_prompts import keep_whole, traced
 
 DIRTY = "_nnsight_dirty_blocks"  # on the block pool: ids freed by traced requests
-RUNNING = "_nnsight_traced_running"  # on the block pool: ids of traced requests it holds blocks for
+RUNNING = "_nnsight_traced_running"  # on the block pool: ids of the traced requests the scheduler holds
 PENDING = "_nnsight_blocks_to_zero"  # on the block pool: dirty ids handed out again, to zero
 ZERO_ATTR = "nnsight_zero_blocks"  # on a SchedulerOutput: ids the worker zeroes before the step
 
@@ -82,8 +82,8 @@ def _dropping(original: Callable) -> Callable:
                 break
             ids.append(blocks[i].block_id)
         out = original(self, request_id, first_block, last_block, *args, **kwargs)
-        if ids:
-            pool.__dict__.setdefault(DIRTY, set()).update(i for i in ids if pool.blocks[i].ref_cnt == 0)
+        if ids:  # (a block another holder still counts too: zeroed once it is handed out again)
+            pool.__dict__.setdefault(DIRTY, set()).update(ids)
         return out
 
     return drop
@@ -125,10 +125,6 @@ def _schedule(original: Callable) -> Callable:
         with whole_prompts.scheduling(self):  # (the one wrap of schedule(): both happen here)
             output = original(self, *args, **kwargs)
         pool = engine_core.scheduler_block_pool(self)
-        for new in output.scheduled_new_reqs if pool is not None else ():  # (what its later drops are)
-            request = self.requests.get(new.req_id)
-            if request is not None and traced(request):
-                pool.__dict__.setdefault(RUNNING, set()).add(new.req_id)
         pending = pool.__dict__.get(PENDING) if pool is not None else None
         if pending:
             setattr(output, ZERO_ATTR, list(pending))
@@ -138,8 +134,22 @@ def _schedule(original: Callable) -> Callable:
     return schedule
 
 
+def _adding(original: Callable) -> Callable:
+    """A traced request's id, known to the pool from the moment the scheduler takes it
+    (blocks it drops before its first step too, e.g. after an asynchronous KV load)."""
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if traced(request):
+            pool = engine_core.scheduler_block_pool(self)
+            if pool is not None:
+                pool.__dict__.setdefault(RUNNING, set()).add(request.request_id)
+        return original(self, request, *args, **kwargs)
+
+    return add_request
+
+
 def install_scheduler(scheduler_cls: type) -> None:
     patching.patch_method(scheduler_cls, "schedule", _schedule)
+    patching.patch_method(scheduler_cls, "add_request", _adding)
 
 
 def install_kv_manager(manager_cls: type) -> None:

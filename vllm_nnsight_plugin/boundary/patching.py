@@ -105,6 +105,7 @@ PATCHED: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
                 "prepare_inputs": ("self", "scheduler_output"), "sample": ("self",), "sample_tokens": ("self",),
                 "initialize_kv_cache": ("self", "kv_cache_config")},
     SCHEDULER: {"update_from_output": ("self", "scheduler_output", "model_runner_output"), "schedule": ("self",),
+                "add_request": ("self", "request"),
                 SCHEDULER_REQUEST_UPDATE: ("self", "request", "new_token_ids")},
     **{queue: {"peek_request": ("self",)} for queue in WAITING_QUEUES},
     KV_CACHE_MANAGER: {name: ("self", "request") for name in KV_MANAGER_FREES},
