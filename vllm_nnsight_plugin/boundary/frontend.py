@@ -190,8 +190,8 @@ def _process_inputs(original: Callable) -> Callable:
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if raw is not None or edits.INSTALLED:
             entrypoints.salt_request(request, cache_salt(raw, env))
-        elif (request.cache_salt or "").startswith((SALT_PREFIX, CALLER_SALT)):  # (the engine core tells traced
-            request.cache_salt = f"{CALLER_SALT}{request.cache_salt}"  # requests by the prefix: one to one)
+        elif (getattr(request, "cache_salt", None) or "").startswith((SALT_PREFIX, CALLER_SALT)):  # (the engine
+            request.cache_salt = f"{CALLER_SALT}{request.cache_salt}"  # core tells traced requests by the prefix)
         return request
 
     return process_inputs
