@@ -56,10 +56,10 @@ def _held(manager: Any, request: Any) -> tuple[list[int], bool]:
 
 def _freed(manager: Any, request: Any, ids: list[int], now: bool) -> None:
     """After a traced request's blocks went back: to zero before the next step (``now``:
-    blocks the pool holds free that no lookup can hit), else when handed out again."""
+    a finished request's blocks the pool holds free, which no lookup can hit unless its
+    salt is shared), else when handed out again."""
     pool = manager.block_pool
-    finished = getattr(request, "is_finished", None)
-    if now and keep_whole(request) and finished is not None and finished():
+    if now and keep_whole(request):
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         free = {i for i in ids if pool.blocks[i].ref_cnt == 0 and i != null}
         pool.__dict__.setdefault(PENDING, []).extend(free)
@@ -95,10 +95,11 @@ def _freeing(original: Callable, now: bool) -> Callable:
     def free(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         ids, exact = _held(self, request)
         out = original(self, request, *args, **kwargs)
+        is_finished = getattr(request, "is_finished", None)
+        finished = is_finished is not None and is_finished()
         if ids:
-            _freed(self, request, ids, now and exact)
-        finished = getattr(request, "is_finished", None)
-        if finished is not None and finished():
+            _freed(self, request, ids, now and exact and finished)
+        if finished:
             self.block_pool.__dict__.get(RUNNING, set()).discard(request.request_id)
         return out
 

@@ -110,7 +110,7 @@ class EditContext(_Capturing):
 
         conn, (block, values) = self.handle.conn, self._block
         code = codec.encode_code(codec.CodePayload(block.source, block.filename, block.lineno, values))
-        payload, found = served_plans.payload_for(code, None, conn.tree())
+        payload, found = served_plans.payload_for(code, None, self.model._served(conn)[1])
         if isinstance(found, served_plans.ServedPlan) and found.lists:  # (a list's items would come back
             payload = code  # under derived names on every request's output: such an edit goes as code)
         try:

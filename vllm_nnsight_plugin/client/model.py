@@ -320,15 +320,19 @@ class VLLM(Envoy):
         return outputs
 
 
+    def _served(self, conn: Any) -> tuple[str, Any]:
+        """A server's model name and :class:`.served.ServedTree`, asked once per URL."""
+        cache = self.__dict__.setdefault("_served_at", {})
+        if conn.url not in cache:
+            cache[conn.url] = (conn.model_name(), conn.tree())
+        return cache[conn.url]
+
     def _run_served(self, invokes: list[Invoke], trace_sampling: dict[str, Any], url: str,
                     api_key: str | None) -> list[Any]:
         from . import served, served_plans
 
         conn = served.Connection(url, api_key)
-        cache = self.__dict__.setdefault("_served", {})
-        if url not in cache:
-            cache[url] = (conn.model_name(), conn.tree())
-        name, tree = cache[url]
+        name, tree = self._served(conn)
         if self._tree is None:
             object.__setattr__(self, "_tree", tree.modules)
         self._check_paths(invokes, tree.modules, None if tree.taps is None else TapSet(tree.taps))

@@ -81,21 +81,24 @@ def _served(found: lower.Lowered, env: dict[str, Any], tree: Any) -> ServedPlan 
     integer_inputs = frozenset(tree.record.get("integer_inputs") or ())
     renamed = {item: f"_l{k}.{i}" for k, (_, items) in enumerate(found.lists) for i, item in enumerate(items)}
     ops = []
-    for op, line in zip(found.spec["ops"], found.lines):
+    for op in found.spec["ops"]:
         op = {**op, "name": renamed.get(op["name"], op["name"])} if "name" in op else dict(op)
         if isinstance(op.get("value"), list):
             op["value"] = _tensor(op["value"])
-        try:
-            spec.validate(codec.spec_envelope([op]))
-            guards.refuse_integer_writes(codec.spec_envelope([op]), integer_inputs)
-            for path, io in _locations(op):
-                if path not in tree.modules:
-                    raise codec.PayloadError(f"{path or 'the model'} is not a module of the served model")
-                if taps is not None and not taps.matches(path, io):
-                    raise codec.PayloadError(f"{path}.{io} is not tapped on the server")
-        except codec.PayloadError as exc:
-            return lower.Fallback(str(exc)[:300], line)
         ops.append(op)
+
+    def check(op: dict[str, Any]) -> None:
+        spec.validate(codec.spec_envelope([op]))
+        guards.refuse_integer_writes(codec.spec_envelope([op]), integer_inputs)
+        for path, io in _locations(op):
+            if path not in tree.modules:
+                raise codec.PayloadError(f"{path or 'the model'} is not a module of the served model")
+            if taps is not None and not taps.matches(path, io):
+                raise codec.PayloadError(f"{path}.{io} is not tapped on the server")
+
+    refused = lower.first_refused(ops, found.lines, check)
+    if refused is not None:
+        return refused
     lists = tuple((name, tuple(renamed[item] for item in items)) for name, items in found.lists)
     return ServedPlan(found, json.dumps(codec.spec_envelope(ops)), lists, env["filename"],
                       tuple(env["source"].splitlines()), env["lineno"])

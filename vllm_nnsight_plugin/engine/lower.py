@@ -302,6 +302,18 @@ def _merged_edits(rec: Recorder) -> list[tuple[int, dict[str, Any], int]]:
     return out
 
 
+def first_refused(ops: list[dict[str, Any]], lines: tuple[int, ...],
+                  check: Callable[[dict[str, Any]], None]) -> Fallback | None:
+    """The first op ``check`` raises for, as the Fallback at its line: a block whose plan
+    would be refused runs as code, and says which line and why."""
+    for op, line in zip(ops, lines):
+        try:
+            check(op)
+        except Exception as exc:  # noqa: BLE001 - refused: the block reports it itself
+            return Fallback(f"{type(exc).__name__}: {str(exc)[:200]}", line)
+    return None
+
+
 def _check_cache(model: torch.nn.Module, op: dict[str, Any], check_access: Callable[[str, str], None]) -> None:
     """A cache's named modules exist and are served (a cache of every module takes
     those the engine serves)."""
@@ -355,18 +367,14 @@ class Lowerings:
             logger.exception("recording the block at %s:%s failed", env["filename"], env["lineno"])
             found = Fallback(f"recording it failed ({type(exc).__name__})", env["lineno"])
         if isinstance(found, Lowered):
-            for op, line in zip(found.spec["ops"], found.lines):
-                if "module" not in op and op["op"] != "cache":
-                    continue  # (the logits: served in every mode)
-                try:
-                    if op["op"] == "cache":
-                        _check_cache(self.model, op, check_access)
-                        continue
+            def check(op: dict[str, Any]) -> None:
+                if op["op"] == "cache":
+                    _check_cache(self.model, op, check_access)
+                elif "module" in op:  # (the logits: served in every mode)
                     check_access(op["module"], op.get("io", "output"))
-                    guards.refuse_integer_writes({"kind": "spec", "ops": [op]}, integer_inputs)
-                except Exception as exc:  # noqa: BLE001 - refused: the block reports it itself
-                    found = Fallback(f"{type(exc).__name__}: {str(exc)[:200]}", line)
-                    break
+                    guards.refuse_integer_writes(codec.spec_envelope([op]), integer_inputs)
+
+            found = first_refused(found.spec["ops"], found.lines, check) or found
         if cacheable:
             if len(self._cache) >= 256:
                 self._cache.clear()
