@@ -265,8 +265,10 @@ def test_the_guard_kernel_is_not_built_per_row_stride(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the kernel's builds")
-def test_a_padded_vocabulary_launches_the_build_usable_made():
+def test_a_padded_vocabulary_launches_the_build_usable_made(monkeypatch):
     from vllm_nnsight_plugin.engine import finite_logits, guard_kernel
+
+    monkeypatch.setattr(guard_kernel, "DIRECT", False)  # (through the JIT, which would build for a new stride)
 
     padded = torch.zeros(4, 50304, dtype=torch.bfloat16, device="cuda")
     logits = padded[:, :50257]
@@ -278,6 +280,42 @@ def test_a_padded_vocabulary_launches_the_build_usable_made():
     assert guard._pending[0][1].host.dtype == torch.uint8  # (the kernel ran)
     assert guard.detach()() == ["c"]
     assert sum(len(cache[0]) for cache in guard_kernel.kernel().device_caches.values()) == builds
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the kernel's builds")
+@pytest.mark.parametrize("indexed", [False, True])
+def test_the_guard_kernel_is_launched_directly_only_where_its_build_fits(monkeypatch, indexed):
+    """After the JIT's first launch the build is launched without the JIT; logits or
+    flags whose pointer is not 16-byte aligned (Triton built for aligned ones) go
+    through the JIT, and every way comes out as the torch ops make it."""
+    from vllm_nnsight_plugin.engine import guard_kernel
+
+    width = 40
+    device = torch.cuda.current_device()
+    assert guard_kernel.usable(torch.device("cuda", device), torch.bfloat16, width)
+    key = (device, torch.bfloat16, width, torch.long if indexed else None)
+    jit, build = guard_kernel._built[key]
+    direct = []
+
+    class Counted:  # (the build, its direct launches counted)
+        def __getitem__(self, grid):
+            direct.append(grid)
+            return build[grid]
+
+    monkeypatch.setitem(guard_kernel._built, key, (jit, Counted()))
+    padded = torch.randn(3, width + 1, device="cuda").to(torch.bfloat16)
+    padded[1, 5], padded[2, 7] = float("nan"), float("inf")
+    for offset, flag_offset, launched_directly in ((0, 0, 1), (1, 0, 0), (0, 1, 0)):  # (1: not aligned)
+        direct.clear()
+        logits = padded.clone()[:, offset : offset + width]
+        index = torch.tensor([2, 1, 0], device="cuda") if indexed else None
+        flags = torch.full((4,), 9, dtype=torch.uint8, pin_memory=True)[flag_offset : flag_offset + 3]
+        guard_kernel.launch(logits, index, flags)
+        torch.cuda.synchronize()
+        expected = torch.nan_to_num(padded[:, offset : offset + width], neginf=float("-inf"))
+        assert len(direct) == launched_directly
+        assert torch.equal(logits, expected)
+        assert flags.tolist() == ([1, 1, 0] if indexed else [0, 1, 1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the guard's fused path")

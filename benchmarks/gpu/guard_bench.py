@@ -1,5 +1,5 @@
 """What the logits guard costs the engine core's CPU per step, as torch ops and as its
-one Triton kernel (``engine/guard_kernel.py``).
+one Triton kernel (``engine/guard_kernel.py``), launched through Triton's JIT or directly.
 
 The engine core's step loop is bound by the CPU at the headline's size, so the
 guard's host time per step is what steering pays for it. This times ``FiniteLogits
@@ -67,17 +67,21 @@ def main() -> None:
         logits = torch.randn(rows, args.vocab, device="cuda").to(getattr(torch, args.dtype))
         for guarded, index in (("all", None), ("half", torch.arange(0, rows, 2, device="cuda"))):
             req_ids = [str(i) for i in range(rows if index is None else index.shape[0])]
-            for way in ("torch ops", "kernel"):
+            for way in ("torch ops", "kernel through the JIT", "kernel"):
                 guard = finite_logits.FiniteLogits()
                 if way == "torch ops":
                     guard._fused = lambda _logits: False  # (this instance only)
                 elif not guard_kernel.usable(logits.device, logits.dtype, logits.shape[1]):
                     print(f"| {rows} | {guarded} | kernel | not usable here | – |")
                     continue
-                host_us(guard, logits, index, req_ids, 50)  # (warm: builds, buffers)
-                host = host_us(guard, logits, index, req_ids, args.steps)
-                print(f"| {rows} | {guarded} | {way} | {host:.1f} | {device_us(guard, logits, index, req_ids):.1f} |",
-                      flush=True)
+                guard_kernel.DIRECT = way != "kernel through the JIT"  # (the JIT binds the arguments every launch)
+                try:
+                    host_us(guard, logits, index, req_ids, 50)  # (warm: builds, buffers)
+                    host = host_us(guard, logits, index, req_ids, args.steps)
+                    device = device_us(guard, logits, index, req_ids)
+                finally:
+                    guard_kernel.DIRECT = True
+                print(f"| {rows} | {guarded} | {way} | {host:.1f} | {device:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ switched back to vLLM's own code for its reps (an ablation: what each part costs
 results may then be missing): ``sched`` (the scheduler and KV-block wraps),
 ``results`` (the scheduler's result merge), ``guard`` (the logits check),
 ``inputs`` (the front end's payload check and salt), ``runner`` (every runner wrap:
-nothing traced runs at all).
+nothing traced runs at all), ``guardjit`` (the guard's kernel launched through
+Triton's JIT each step instead of directly). A second table gives calls per rep and
+microseconds per call; the collector's pauses are timed as ``gc.collect`` rows.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ _PHASES = [  # (module, class, method): each timed on its own (nested calls coun
     ("vllm_nnsight_plugin.engine.lanes", "PartLane", "done"),
     ("vllm_nnsight_plugin.engine.finite_logits", "FiniteLogits", "check"),
     ("vllm_nnsight_plugin.engine.finite_logits", "FiniteLogits", "detach"),
+    ("vllm_nnsight_plugin.engine.finite_logits", "FiniteLogits", "_buffer"),
+    ("vllm_nnsight_plugin.engine.guard_kernel", None, "launch"),
+    ("triton.runtime.jit", "JITFunction", "run"),
     ("vllm_nnsight_plugin.boundary.kv_blocks", None, "zero_reused_blocks"),
     ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs"),
     ("vllm_nnsight_plugin.boundary.frontend", None, "_check_payload"),
@@ -136,6 +141,7 @@ _ABLATE = {  # part -> (module, class, method) whose plugin wrap a rep swaps for
     "inputs": [("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs")],
     "runner": [("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", m)
                for m in ("execute_model", "prepare_inputs", "sample", "sample_tokens")],
+    "guardjit": [],  # (the guard's kernel launched through Triton's JIT every step: see _Ablated)
 }
 
 
@@ -146,6 +152,10 @@ class _Ablated:
         import importlib
 
         self.swaps = []
+        if "guardjit" in parts:
+            from vllm_nnsight_plugin.engine import guard_kernel
+
+            self.swaps.append((guard_kernel, "DIRECT", True, False))
         for part in parts:
             for mod_name, cls_name, meth in _ABLATE[part]:
                 cls = getattr(importlib.import_module(mod_name), cls_name)
@@ -172,8 +182,10 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
     import statistics
 
     spent: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
 
     import functools
+    import gc
 
     def timed(name: str, fn):
         @functools.wraps(fn)  # (keeps the plugin's __nnsight_original__: ablations find vLLM's own)
@@ -183,7 +195,20 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
                 return fn(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - t
+                calls[name] += 1
         return wrapper
+
+    collecting = [0.0]
+
+    def gc_timer(phase: str, info: dict) -> None:  # (the collector's pauses, whoever allocated)
+        if phase == "start":
+            collecting[0] = time.perf_counter()
+        else:
+            name = f"gc.collect (generation {info.get('generation')})"
+            spent[name] += time.perf_counter() - collecting[0]
+            calls[name] += 1
+
+    gc.callbacks.append(gc_timer)
 
     names = []
     for mod_name, cls_name, meth in _PHASES:
@@ -204,6 +229,7 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
     if core is not None:  # the engine loop's step (bound at start-up: wrap the instance's)
         core.step_fn = timed("EngineCore.step_fn", core.step_fn)
         names.append("EngineCore.step_fn")
+    workloads = [w for w in workloads if w != "plain"]  # (plain runs first in every rep)
     per: dict[str, dict[str, list[float]]] = {w: collections.defaultdict(list) for w in ["plain", *workloads]}
     for _ in range(reps):
         for workload in ["plain", *workloads]:
@@ -214,13 +240,25 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
                 t = time.perf_counter()
                 llm.generate(batch, sps[workload], use_tqdm=False)
                 per[workload]["wall"].append(time.perf_counter() - t)
-            for name in names:
+            for name in names + [f"gc.collect (generation {g})" for g in range(3)]:
                 per[workload][name].append(spent[name])
+                per[workload][f"{name} calls"].append(calls[name])
+            calls.clear()
+    gc.callbacks.remove(gc_timer)
     cols = ["plain", *workloads]
     print(f"| phase (s per rep, median of {reps}) | {' | '.join(cols)} |")
     print("|---|" + "---:|" * len(cols))
+    names += [f"gc.collect (generation {g})" for g in range(3)]
     for name in ["wall", *names]:
         print(f"| {name} | " + " | ".join(f"{statistics.median(per[w][name]):.3f}" for w in cols) + " |")
+    print(f"\n| phase (calls per rep; µs per call), median of {reps} | {' | '.join(cols)} |")
+    print("|---|" + "---:|" * len(cols))
+    for name in names:
+        cells = []
+        for w in cols:
+            n, sec = statistics.median(per[w][f"{name} calls"]), statistics.median(per[w][name])
+            cells.append(f"{n:.0f}; {sec / n * 1e6:.1f}" if n else "–")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def profile_one(llm, prompts, sps, workload: str, args) -> None:

@@ -17,7 +17,9 @@ the width the first try uses). They are built and tried when the model loads, fo
 the logits it makes (:func:`.finite_logits.prepare`); logits of another dtype or width
 are built at their first guarded step (:func:`usable`: a one-time stall). A GPU or
 build where the kernel cannot run, a buffer the device cannot address, or a launch
-that fails later (:func:`give_up`) leaves the guard on its torch ops.
+that fails later (:func:`give_up`) leaves the guard on its torch ops. After the JIT's
+first launch of a build, the build is launched directly (:func:`launch`): the JIT binds
+and specializes the arguments again on every call, host time the step loop pays.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from typing import Any
 
 import torch
 
@@ -60,6 +63,12 @@ def _guard(logits_ptr, index_ptr, flags_ptr, row_stride, VOCAB: tl.constexpr, IN
 
 
 kernel = jitted(_guard, do_not_specialize=["row_stride"])  # (the kernel for this process: see triton_jit)
+_BIG = {dtype: torch.finfo(dtype).max for dtype in DTYPES}  # (+inf becomes this)
+# (current device, dtype, width, the index's dtype or None) -> (the JIT, the build it launched
+# for them): launched directly after that (:func:`launch`), without the JIT's binding of
+# its arguments on every launch (the build's launcher calls Triton's launch hooks too)
+_built: dict[tuple[int, torch.dtype, int, torch.dtype | None], tuple[Any, Any]] = {}
+DIRECT = True  # (False: every launch through the JIT; benchmarks compare the two)
 _given_up: set[tuple[torch.device, torch.dtype, int]] = set()  # (device, dtype, width) whose launch failed
 
 
@@ -78,9 +87,23 @@ def launch(logits: torch.Tensor, index: torch.Tensor | None, flags: torch.Tensor
         raise ValueError(f"{rows} guarded rows need as many uint8 flags (got {flags.numel()} {flags.dtype})")
     if not rows:
         return
-    kernel()[(rows,)](logits, logits if index is None else index, flags, logits.stride(0),
-                      VOCAB=logits.shape[1], INDEXED=index is not None, BIG=torch.finfo(logits.dtype).max,
-                      BLOCK=BLOCK, num_warps=WARPS)
+    indexed = index is not None
+    args = (logits, index if indexed else logits, flags, logits.stride(0), logits.shape[1], indexed,
+            _BIG[logits.dtype], BLOCK)
+    jit = kernel()
+    # (Triton specializes a pointer on its 16-byte alignment: a build is reused only for
+    # pointers aligned as those of the launch that made it; it keys builds by the current
+    # device, whose context it loaded the build into)
+    aligned = not (logits.data_ptr() % 16 or flags.data_ptr() % 16 or (indexed and index.data_ptr() % 16))
+    key = (torch.cuda.current_device(), logits.dtype, logits.shape[1], index.dtype if indexed else None) \
+        if aligned and logits.is_cuda else None
+    built = _built.get(key) if key is not None and DIRECT else None
+    if built is not None and built[0] is jit:
+        built[1][(rows, 1, 1)](*args)
+        return
+    made = jit[(rows,)](*args, num_warps=WARPS)
+    if key is not None and made is not None and not hasattr(made, "result") and hasattr(made, "__getitem__"):
+        _built[key] = (jit, made)
 
 
 def usable(device: torch.device, dtype: torch.dtype, vocab: int) -> bool:
