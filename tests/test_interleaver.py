@@ -732,3 +732,30 @@ def test_two_blocks_alike_are_two_sessions():
     assert (first.step, second.step) == (2, 1)
     QuietBatch(1, {}, [first, second], None).advance()  # (a later batch: the old clock no longer ticks)
     assert (first.step, second.step) == (3, 2)
+
+
+def test_requests_of_one_spec_share_its_admission_but_not_a_refusal(configs, monkeypatch):
+    """The requests that send one spec's text are admitted from one look at the spec
+    (where its ops register, what it does), each with its own row log; a spec this
+    engine refuses is refused for every request that sends it, not remembered as admitted."""
+    from vllm import SamplingParams
+
+    torch.manual_seed(0)
+    model = _Net()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    read_and_steer = _spec({"op": "read", "name": "a", "module": "pair", "index": 0, "steps": "all"}, _STEER)
+    eager = Interleaver(model, worker_setup(model, configs[True]))
+    places = []
+    place = eager.batched._place
+    monkeypatch.setattr(eager.batched, "_place", lambda env: (places.append(env), place(env))[1])
+    for req_id in ("a", "b", "c"):
+        eager.admit(req_id, {"nnsight": read_and_steer}, params)
+    assert len(places) == 1
+    sessions = [eager.sessions[r][0] for r in ("a", "b", "c")]
+    assert all(s.batched and s.edits and s.batched_reads and s.error is None for s in sessions)
+    assert len({id(s.namespace["a"]) for s in sessions}) == 3  # (each request's rows apart)
+    compiled = Interleaver(model, worker_setup(model, configs[False]))
+    for req_id in ("a", "b"):
+        compiled.admit(req_id, {"nnsight": read_and_steer}, params)
+        assert "needs an eager engine" in compiled.sessions[req_id][0].error["message"]
+    assert not compiled.batched.at

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..payload import codec, request_args, spec
 from . import cache, guards, lower, stages
 from .envoy import WorkerEnvoy
 from .session import RequestSession, Wait
 from .tree import map_tensors
+
+
+class AdmittedSpec(NamedTuple):
+    """A spec as this engine admits it (:meth:`Admission._admitted_spec`)."""
+
+    spec: Any  # the spec as sent (the cache's key holds its id: kept alive here)
+    expanded: dict[str, Any]  # its ops, caches expanded
+    batched: dict[str, Any] | None  # as it runs batched for the request; None: per request
+    facts: tuple  # (reads, prefill reads, prompt only, last step, replayable, edits) of ``batched``
 
 
 class Admission:
@@ -147,30 +156,22 @@ class Admission:
 
     def _admit_spec(self, session: RequestSession, env: dict[str, Any], batch_index: int | None,
                     max_tokens: int | None = None) -> None:
-        from functools import partial
-
-        from .spec_runner import run_spec
-
-        guards.refuse_integer_writes(env, self.integer_inputs)
+        admitted = self._admitted_specs.get((id(env), max_tokens))
+        if admitted is None or admitted.spec is not env:
+            admitted = self._admitted_spec(env, max_tokens)  # (raises for a spec this engine refuses)
+            if len(self._admitted_specs) > 64:
+                self._admitted_specs.clear()
+            self._admitted_specs[(id(env), max_tokens)] = admitted
         if self.edits_refused and spec.edits(env):
             raise codec.PayloadError(self.edits_refused)
-        if self.stages is not None and self.stages.last:
-            guards.refuse_absent(env, self.absent, self.stages.carries)
-        elif self.stages is not None:  # (caches reach the last stage's modules only: refuse_absent)
-            env = {**env, "ops": [op for op in env["ops"] if op["op"] != "cache"]}
-        env = self.batched.with_caches(env, self.expand_cache)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
-        if batch_index is not None and spec.runs_batched(env):  # with every identical edit, no greenlet
-            env = self.batched.for_request(env, max_tokens)
+        if batch_index is not None and admitted.batched is not None:  # with every identical edit, no greenlet
+            env = admitted.batched
             self.batched.add(session, env, batch_index)
             cache.bind(session, env)
             session.batched = True
-            session.batched_reads = spec.reads(env)
-            session.prefill_reads = spec.prefill_reads(env)
-            session.prompt_only = spec.prompt_only(env)
-            session.last_step = spec.last_step(env)
-            session.replayable = spec.replayable(env)
-            session.edits = spec.edits(env)
+            (session.batched_reads, session.prefill_reads, session.prompt_only, session.last_step,
+             session.replayable, session.edits) = admitted.facts
             session.wait = Wait("step", 1 << 62)
             if self.stages is not None:
                 self.stages.note(session, env["ops"])
@@ -179,15 +180,34 @@ class Admission:
                     if "module" in op and (self.stages is None or self.stages.role(op) != "skip"):
                         self.ensure_hook(self.envoy_at(op["module"])._module, op.get("io", "output"))
             return
+        from .spec_runner import run_spec
+
+        env = admitted.expanded
         for expansion in env.get("caches", ()):  # (their reads run batched; the spec's other ops here)
             session.namespace[expansion.name] = cache.attach(self, session, expansion, 1 << 20)
         session.namespace.update(
             model=self.root,
             tracer=self.tracer,
-            __nnsight_run_spec__=partial(run_spec, ops=[op for op in env["ops"] if not op.get("late")],
-                                         session=session, inter=self),
+            __nnsight_run_spec__=functools.partial(run_spec, ops=[op for op in env["ops"] if not op.get("late")],
+                                                   session=session, inter=self),
         )
 
+    def _admitted_spec(self, env: dict[str, Any], max_tokens: int | None) -> AdmittedSpec:
+        """What admitting a spec finds, the same for every request that sent it with
+        ``max_tokens``: its checks against this engine, its ops with caches expanded
+        and, where it runs batched, as it runs for such a request and what it does."""
+        guards.refuse_integer_writes(env, self.integer_inputs)
+        if self.stages is not None and self.stages.last:
+            guards.refuse_absent(env, self.absent, self.stages.carries)
+        elif self.stages is not None:  # (caches reach the last stage's modules only: refuse_absent)
+            env = {**env, "ops": [op for op in env["ops"] if op["op"] != "cache"]}
+        expanded = self.batched.with_caches(env, self.expand_cache)
+        if not spec.runs_batched(expanded):
+            return AdmittedSpec(env, expanded, None, ())
+        batched = self.batched.for_request(expanded, max_tokens)
+        return AdmittedSpec(env, expanded, batched, (
+            spec.reads(batched), spec.prefill_reads(batched), spec.prompt_only(batched), spec.last_step(batched),
+            spec.replayable(batched), spec.edits(batched)))
 
     def cache_for(self, session: RequestSession, op: dict[str, Any]) -> cache.ModuleCache:
         """``tracer.cache()`` in a block that runs as code."""

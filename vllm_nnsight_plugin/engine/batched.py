@@ -75,21 +75,43 @@ class BatchedEdits(LanePlans):
         self._next_seq = 0
         self.late: set[tuple] = set()  # locations with late entries (cache reads: after every edit)
         self._expanded: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # see with_caches
+        self._placed: dict[int, tuple] = {}  # id(spec) -> (spec, where its ops register): see add
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
         """Register a request's ops (applied in block then spec order per location).
         Under pipeline parallel, only this stage's part (:meth:`.stages.StageTransport.role`)."""
+        known = self._placed.get(id(env))
+        if known is None or known[0] is not env:
+            known = (env, *self._place(env))  # (raises for an op this engine refuses: nothing registered)
+            if len(self._placed) > 64:
+                self._placed.clear()
+            self._placed[id(env)] = known
+        _, row_logs, entries, exports = known
+        for name, squeeze in row_logs:
+            session.namespace[name] = session.keep(RowLog(squeeze=squeeze))
+        for key, path, kind, op in exports:
+            self.inter.stages.export(key, path, kind, session, op)
+        at, late = self.at, self.late
+        for key, op, number in entries:
+            at[key].append(Entry(session, op, number, block, self._seq(op)))
+            if op.get("late"):
+                late.add(key)
+        self._version += 1
+
+    def _place(self, env: dict[str, Any]) -> tuple[list, list, list]:
+        """Where a spec's ops register, the same for every request that sent it: the
+        read ops that keep a row log per step (name, squeeze), the entries' (location,
+        op, number) and this pipeline stage's exports; every op checked first."""
         stages = self.inter.stages
-        roles = [stages.role(op) if stages is not None else "run" for op in env["ops"]]
-        for op, role in zip(env["ops"], roles):
-            if role == "run" and op["op"] in READ_OPS and not is_single(op):  # one row block per step
-                session.namespace[op["name"]] = session.keep(RowLog(squeeze=_one_row(op)))
-        entries, exports = [], []
-        for number, (op, role) in enumerate(zip(env["ops"], roles)):
+        row_logs, entries, exports = [], [], []
+        for number, op in enumerate(env["ops"]):
+            role = stages.role(op) if stages is not None else "run"
             if role == "skip":
                 continue
+            if role == "run" and op["op"] in READ_OPS and not is_single(op):  # one row block per step
+                row_logs.append((op["name"], _one_row(op)))
             if op["op"] == "logits":
-                entries.append((LOGITS, Entry(session, op, number, block, self._seq(op))))
+                entries.append((LOGITS, op, number))
                 continue
             envoy = self.inter.envoy_at(op["module"])
             kind = op.get("io", "output")
@@ -98,14 +120,8 @@ class BatchedEdits(LanePlans):
             if role == "export":
                 exports.append((key, op["module"], kind, op))
             else:
-                entries.append((key, Entry(session, op, number, block, self._seq(op))))
-        for key, path, kind, op in exports:  # all ops checked first: a refused spec registers nothing
-            stages.export(key, path, kind, session, op)
-        for key, entry in entries:
-            self.at[key].append(entry)
-            if entry.op.get("late"):
-                self.late.add(key)
-        self._version += 1
+                entries.append((key, op, number))
+        return row_logs, entries, exports
 
     def with_caches(self, env: dict[str, Any], expand: Any) -> dict[str, Any]:
         """The spec with each ``cache`` op replaced by its reads (``expand(op)``: an

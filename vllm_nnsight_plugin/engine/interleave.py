@@ -60,6 +60,7 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.stages = stages.StageTransport(self.absent, piped.last, carries=piped.carries) if piped else None
         self.batched = batched.BatchedEdits(self)
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
+        self._admitted_specs: dict[tuple, Any] = {}  # (id(spec), max_tokens) -> admission.AdmittedSpec
         self.finite = finite_logits.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
         self._guard_memo: GuardedRows | None = None
