@@ -22,7 +22,9 @@ results may then be missing): ``sched`` (the scheduler and KV-block wraps),
 ``inputs`` (the front end's payload check and salt), ``runner`` (every runner wrap:
 nothing traced runs at all), ``guardjit`` (the guard's kernel launched through
 Triton's JIT each step instead of directly). A second table gives calls per rep and
-microseconds per call; the collector's pauses are timed as ``gc.collect`` rows.
+microseconds per call and how many objects the garbage collector tracks each phase
+left behind (net, where no collection ran inside it: what makes collections come);
+the collector's pauses are timed as ``gc.collect`` rows.
 """
 
 from __future__ import annotations
@@ -190,19 +192,23 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
     def timed(name: str, fn):
         @functools.wraps(fn)  # (keeps the plugin's __nnsight_original__: ablations find vLLM's own)
         def wrapper(*args, **kwargs):
-            t = time.perf_counter()
+            t, young, passes = time.perf_counter(), gc.get_count()[0], collecting[1]
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - t
                 calls[name] += 1
+                if passes == collecting[1]:  # (no collection in between: the young generation's growth)
+                    grown[name] += gc.get_count()[0] - young
         return wrapper
 
-    collecting = [0.0]
+    grown: dict[str, int] = collections.defaultdict(int)  # objects the collector tracks, net, per phase
+    collecting = [0.0, 0]
 
     def gc_timer(phase: str, info: dict) -> None:  # (the collector's pauses, whoever allocated)
         if phase == "start":
             collecting[0] = time.perf_counter()
+            collecting[1] += 1
         else:
             name = f"gc.collect (generation {info.get('generation')})"
             spent[name] += time.perf_counter() - collecting[0]
@@ -243,7 +249,9 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
             for name in names + [f"gc.collect (generation {g})" for g in range(3)]:
                 per[workload][name].append(spent[name])
                 per[workload][f"{name} calls"].append(calls[name])
+                per[workload][f"{name} grown"].append(grown[name])
             calls.clear()
+            grown.clear()
     gc.callbacks.remove(gc_timer)
     cols = ["plain", *workloads]
     print(f"| phase (s per rep, median of {reps}) | {' | '.join(cols)} |")
@@ -251,13 +259,15 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
     names += [f"gc.collect (generation {g})" for g in range(3)]
     for name in ["wall", *names]:
         print(f"| {name} | " + " | ".join(f"{statistics.median(per[w][name]):.3f}" for w in cols) + " |")
-    print(f"\n| phase (calls per rep; µs per call), median of {reps} | {' | '.join(cols)} |")
+    print(f"\n| phase (calls per rep; µs per call; tracked objects it left, net per rep), median of {reps} | "
+          f"{' | '.join(cols)} |")
     print("|---|" + "---:|" * len(cols))
     for name in names:
         cells = []
         for w in cols:
             n, sec = statistics.median(per[w][f"{name} calls"]), statistics.median(per[w][name])
-            cells.append(f"{n:.0f}; {sec / n * 1e6:.1f}" if n else "–")
+            left = statistics.median(per[w][f"{name} grown"])
+            cells.append(f"{n:.0f}; {sec / n * 1e6:.1f}; {left:.0f}" if n else "–")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
