@@ -738,6 +738,8 @@ def test_requests_of_one_spec_share_its_admission_but_not_a_refusal(configs, mon
     """The requests that send one spec's text are admitted from one look at the spec
     (where its ops register, what it does), each with its own row log; a spec this
     engine refuses is refused for every request that sends it, not remembered as admitted."""
+    import json
+
     from vllm import SamplingParams
 
     torch.manual_seed(0)
@@ -759,3 +761,19 @@ def test_requests_of_one_spec_share_its_admission_but_not_a_refusal(configs, mon
         compiled.admit(req_id, {"nnsight": read_and_steer}, params)
         assert "needs an eager engine" in compiled.sessions[req_id][0].error["message"]
     assert not compiled.batched.at
+    # the engine's refusal of edits is read per request, before the spec's other checks
+    bad_cache = _spec(_STEER, {"op": "cache", "name": "c", "modules": ["nope"]})
+    eager.edits_refused = "EDITS REFUSED HERE"
+    for req_id, text in (("d", read_and_steer), ("e", bad_cache)):
+        eager.admit(req_id, {"nnsight": text}, params)
+        assert eager.sessions[req_id][0].error["message"].endswith("EDITS REFUSED HERE")
+    eager.edits_refused = None
+    eager.admit("f", {"nnsight": read_and_steer}, params)
+    assert eager.sessions["f"][0].error is None and len(places) == 1
+    # a payload text too large for the codec to keep is parsed anew per request: kept by nothing
+    eager.finish(["a", "b", "c", "d", "e", "f"])
+    large = read_and_steer[:-1] + " " * 70_000 + "}"
+    eager.admit("g", {"nnsight": large}, params)
+    assert eager.sessions["g"][0].batched and len(places) == 2
+    kept = [*eager._admitted_specs.values(), *eager.batched._placed.values()]
+    assert all(len(json.dumps(entry[0])) < 1000 for entry in kept)  # (the small spec's only)

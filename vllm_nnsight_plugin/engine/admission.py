@@ -92,8 +92,9 @@ class Admission:
         session = RequestSession(req_id, self)
         try:
             env = raw if isinstance(raw, dict) else codec.parse_envelope(raw)
-            if env["kind"] == "spec":
-                self._admit_spec(session, env, index if batchable else None, max_tokens)
+            if env["kind"] == "spec":  # (an installed edit's, or a text the codec keeps: one object for all)
+                shared = isinstance(raw, dict) or len(raw) <= codec.LARGE_PAYLOAD
+                self._admit_spec(session, env, index if batchable else None, max_tokens, shared)
                 session.ran_as = "batched" if session.batched else "spec, per request" + \
                     ("" if batchable else " (an earlier block of the request runs as code)")
                 return session
@@ -101,7 +102,7 @@ class Admission:
                                          self.integer_inputs) \
                 if kept_code is None and batchable else None
             if isinstance(planned, lower.Lowered):
-                self._admit_spec(session, planned.spec, index, max_tokens)
+                self._admit_spec(session, planned.spec, index, max_tokens, lower.kept(env))
                 for name, items in planned.lists:  # (after the reads: they fill the namespace)
                     session.namespace[name] = session.keep(cache.ReadList(session.namespace, items))
                 session.source, session.filename, session.lineno = env["source"], env["filename"], env["lineno"]
@@ -155,19 +156,26 @@ class Admission:
 
 
     def _admit_spec(self, session: RequestSession, env: dict[str, Any], batch_index: int | None,
-                    max_tokens: int | None = None) -> None:
-        admitted = self._admitted_specs.get((id(env), max_tokens))
+                    max_tokens: int | None = None, shared: bool = False) -> None:
+        """``shared``: other requests send this very spec object (a payload text the codec
+        or the lowerings cache, an installed edit): what admitting it finds is kept for
+        them (a large payload is parsed anew for each request, and nothing keeps it)."""
+        admitted = self._admitted_specs.get((id(env), max_tokens)) if shared else None
         if admitted is None or admitted.spec is not env:
-            admitted = self._admitted_spec(env, max_tokens)  # (raises for a spec this engine refuses)
-            if len(self._admitted_specs) > 64:
-                self._admitted_specs.clear()
-            self._admitted_specs[(id(env), max_tokens)] = admitted
-        if self.edits_refused and spec.edits(env):
+            guards.refuse_integer_writes(env, self.integer_inputs)
+            if self.edits_refused and spec.edits(env):
+                raise codec.PayloadError(self.edits_refused)
+            admitted = self._admitted_spec(env, max_tokens, shared)  # (raises for a spec this engine refuses)
+            if shared:
+                if len(self._admitted_specs) > 64:
+                    self._admitted_specs.clear()
+                self._admitted_specs[(id(env), max_tokens)] = admitted
+        elif self.edits_refused and spec.edits(env):  # (its other checks passed when it was kept)
             raise codec.PayloadError(self.edits_refused)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
         if batch_index is not None and admitted.batched is not None:  # with every identical edit, no greenlet
             env = admitted.batched
-            self.batched.add(session, env, batch_index)
+            self.batched.add(session, env, batch_index, shared)
             cache.bind(session, env)
             session.batched = True
             (session.batched_reads, session.prefill_reads, session.prompt_only, session.last_step,
@@ -192,20 +200,21 @@ class Admission:
                                                    session=session, inter=self),
         )
 
-    def _admitted_spec(self, env: dict[str, Any], max_tokens: int | None) -> AdmittedSpec:
+    def _admitted_spec(self, env: dict[str, Any], max_tokens: int | None, shared: bool) -> AdmittedSpec:
         """What admitting a spec finds, the same for every request that sent it with
         ``max_tokens``: its checks against this engine, its ops with caches expanded
-        and, where it runs batched, as it runs for such a request and what it does."""
-        guards.refuse_integer_writes(env, self.integer_inputs)
+        and, where it runs batched, as it runs for such a request and what it does
+        (checked before: no integer writes, and edits only where the engine takes them)."""
+        sent = env
         if self.stages is not None and self.stages.last:
             guards.refuse_absent(env, self.absent, self.stages.carries)
         elif self.stages is not None:  # (caches reach the last stage's modules only: refuse_absent)
             env = {**env, "ops": [op for op in env["ops"] if op["op"] != "cache"]}
-        expanded = self.batched.with_caches(env, self.expand_cache)
+        expanded = self.batched.with_caches(env, self.expand_cache, shared)
         if not spec.runs_batched(expanded):
-            return AdmittedSpec(env, expanded, None, ())
-        batched = self.batched.for_request(expanded, max_tokens)
-        return AdmittedSpec(env, expanded, batched, (
+            return AdmittedSpec(sent, expanded, None, ())
+        batched = self.batched.for_request(expanded, max_tokens, shared)
+        return AdmittedSpec(sent, expanded, batched, (
             spec.reads(batched), spec.prefill_reads(batched), spec.prompt_only(batched), spec.last_step(batched),
             spec.replayable(batched), spec.edits(batched)))
 

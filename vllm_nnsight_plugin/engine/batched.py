@@ -77,15 +77,18 @@ class BatchedEdits(LanePlans):
         self._expanded: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # see with_caches
         self._placed: dict[int, tuple] = {}  # id(spec) -> (spec, where its ops register): see add
 
-    def add(self, session: RequestSession, env: dict[str, Any], block: int) -> None:
+    def add(self, session: RequestSession, env: dict[str, Any], block: int, shared: bool = False) -> None:
         """Register a request's ops (applied in block then spec order per location).
-        Under pipeline parallel, only this stage's part (:meth:`.stages.StageTransport.role`)."""
-        known = self._placed.get(id(env))
+        Under pipeline parallel, only this stage's part (:meth:`.stages.StageTransport.role`).
+        ``shared``: other requests send this very spec object (a payload text the codec
+        caches): where its ops register is kept for them."""
+        known = self._placed.get(id(env)) if shared else None
         if known is None or known[0] is not env:
             known = (env, *self._place(env))  # (raises for an op this engine refuses: nothing registered)
-            if len(self._placed) > 64:
-                self._placed.clear()
-            self._placed[id(env)] = known
+            if shared:
+                if len(self._placed) > 64:
+                    self._placed.clear()
+                self._placed[id(env)] = known
         _, row_logs, entries, exports = known
         for name, squeeze in row_logs:
             session.namespace[name] = session.keep(RowLog(squeeze=squeeze))
@@ -123,13 +126,14 @@ class BatchedEdits(LanePlans):
                 entries.append((key, op, number))
         return row_logs, entries, exports
 
-    def with_caches(self, env: dict[str, Any], expand: Any) -> dict[str, Any]:
+    def with_caches(self, env: dict[str, Any], expand: Any, shared: bool = True) -> dict[str, Any]:
         """The spec with each ``cache`` op replaced by its reads (``expand(op)``: an
-        :class:`.cache.Expansion`), listed under ``"caches"``. Cached per spec, so
-        requests of one spec share the reads (their ops group by identity)."""
+        :class:`.cache.Expansion`), listed under ``"caches"``. Cached per spec where it
+        is ``shared`` (see :meth:`add`), so requests of one spec share the reads (their
+        ops group by identity)."""
         if not any(op["op"] == "cache" for op in env["ops"]):
             return env
-        known = self._expanded.get(id(env))
+        known = self._expanded.get(id(env)) if shared else None
         if known is not None and known[0] is env:
             return known[1]
         ops: list[dict[str, Any]] = []
@@ -141,22 +145,24 @@ class BatchedEdits(LanePlans):
             expansion = expand(op)
             caches.append(expansion)
             ops.extend(expansion.reads)
-        if len(self._expanded) > 64:
-            self._expanded.clear()
         out = {**env, "ops": ops, "caches": caches}
-        self._expanded[id(env)] = (env, out)
+        if shared:
+            if len(self._expanded) > 64:
+                self._expanded.clear()
+            self._expanded[id(env)] = (env, out)
         return out
 
-    def for_request(self, env: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    def for_request(self, env: dict[str, Any], max_tokens: int | None, shared: bool = True) -> dict[str, Any]:
         """The spec as it runs for a request of ``max_tokens`` steps: an op whose
         explicit steps are every step from 0 (or 1) to the request's last means "all"
         ("generated"), so ``tracer.iter[:n]`` with ``max_tokens=n`` runs as
         ``tracer.all()`` does (the steady-batch shortcuts need no per-step check).
-        Cached per (spec, max_tokens): requests of one spec still share its ops."""
+        Cached per (spec, max_tokens) where it is ``shared`` (see :meth:`add`):
+        requests of one spec still share its ops."""
         if not max_tokens or not any(isinstance(op.get("steps"), list) for op in env["ops"]):
             return env
         key = (id(env), max_tokens)
-        known = self._for_request.get(key)
+        known = self._for_request.get(key) if shared else None
         if known is not None and known[0] is env:
             return known[1]
         ops = []
@@ -166,10 +172,11 @@ class BatchedEdits(LanePlans):
                     and steps == list(range(steps[0], steps[-1] + 1)):
                 op = {**op, "steps": "all" if steps[0] == 0 else "generated"}
             ops.append(op)
-        if len(self._for_request) > 64:  # (keeps the specs alive: a few, as large payloads are not cached)
-            self._for_request.clear()
         out = {**env, "ops": ops}
-        self._for_request[key] = (env, out)
+        if shared:
+            if len(self._for_request) > 64:
+                self._for_request.clear()
+            self._for_request[key] = (env, out)
         return out
 
     def _seq(self, op: dict[str, Any]) -> int:

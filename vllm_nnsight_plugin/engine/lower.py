@@ -329,6 +329,12 @@ def _check_cache(model: torch.nn.Module, op: dict[str, Any], check_access: Calla
 CACHEABLE = 64 * 1024  # payload text (values + source) whose lowering is cached
 
 
+def kept(env: dict[str, Any]) -> bool:
+    """Whether the plan of this code envelope is cached (:meth:`Lowerings.get`): every
+    request that sends its text then shares the plan's spec object."""
+    return len(env["values"]) + len(env["source"]) <= CACHEABLE
+
+
 class Lowerings:
     """An engine's plans, cached by payload text: requests sending one block share
     one spec, so their ops batch by identity, and a hit records nothing."""
@@ -356,7 +362,7 @@ class Lowerings:
         from . import guards
 
         key = (env["source"], env["filename"], env["lineno"], env["values"])
-        cacheable = len(env["values"]) + len(env["source"]) <= CACHEABLE
+        cacheable = kept(env)
         if cacheable and key in self._cache:
             return self._cache[key]
         rec, resolve = recorder(self.model, self.dtype, self.shared(), self.stand_ins, self.structure_of)
