@@ -24,7 +24,8 @@ nothing traced runs at all), ``guardjit`` (the guard's kernel launched through
 Triton's JIT each step instead of directly). A second table gives calls per rep and
 microseconds per call and how many objects the garbage collector tracks each phase
 left behind (net, where no collection ran inside it: what makes collections come);
-the collector's pauses are timed as ``gc.collect`` rows.
+the collector's pauses are timed as ``gc.collect`` rows, and its older generations'
+collections are listed by the phase that was running when they came.
 """
 
 from __future__ import annotations
@@ -193,9 +194,11 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
         @functools.wraps(fn)  # (keeps the plugin's __nnsight_original__: ablations find vLLM's own)
         def wrapper(*args, **kwargs):
             t, young, passes = time.perf_counter(), gc.get_count()[0], collecting[1]
+            running.append(name)
             try:
                 return fn(*args, **kwargs)
             finally:
+                running.pop()
                 spent[name] += time.perf_counter() - t
                 calls[name] += 1
                 if passes == collecting[1]:  # (no collection in between: the young generation's growth)
@@ -204,12 +207,18 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
 
     grown: dict[str, int] = collections.defaultdict(int)  # objects the collector tracks, net, per phase
     collecting = [0.0, 0]
+    running: list[str] = []  # the timed phases now running, innermost last
+    # (generation, innermost phase running when a collection started) -> collections, seconds
+    where: dict[tuple[int, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
 
     def gc_timer(phase: str, info: dict) -> None:  # (the collector's pauses, whoever allocated)
         if phase == "start":
             collecting[0] = time.perf_counter()
             collecting[1] += 1
         else:
+            during = where[(info.get("generation", -1), running[-1] if running else "(no timed phase)")]
+            during[0] += 1
+            during[1] += time.perf_counter() - collecting[0]
             name = f"gc.collect (generation {info.get('generation')})"
             spent[name] += time.perf_counter() - collecting[0]
             calls[name] += 1
@@ -253,6 +262,11 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
             calls.clear()
             grown.clear()
     gc.callbacks.remove(gc_timer)
+    print("| collections of generation 1 and 2, by the innermost timed phase running when they "
+          "came (all reps, all workloads) | count | ms |\n|---|---:|---:|")
+    for (generation, name), (count, seconds) in sorted(where.items(), key=lambda kv: -kv[1][1]):
+        if generation > 0:
+            print(f"| generation {generation}: {name} | {count:.0f} | {seconds * 1e3:.1f} |")
     cols = ["plain", *workloads]
     print(f"| phase (s per rep, median of {reps}) | {' | '.join(cols)} |")
     print("|---|" + "---:|" * len(cols))
