@@ -271,3 +271,19 @@ def test_two_stages_admitting_the_same_requests_agree_where_they_must():
     assert all(s.error is None for s in last.sessions["own"]) and last.sessions["own"][0].ran_as == "batched"
     assert "different plans" in last.sessions["mixed"][0].error["message"]
     assert all(s.error is None for s in last.sessions["spec"])
+
+
+def test_an_earlier_stage_admits_the_requests_of_one_spec_from_one_look_at_it(monkeypatch):
+    """A stage but the last drops a spec's cache ops before admitting it (a copy): the
+    requests that send one spec's text still share one admission of it."""
+    _, inter = _toy()
+    inter.stages = StageTransport(frozenset({"layers.1"}), False, carries=True)
+    looks, places = [], []
+    admitted, place = inter._admitted_spec, inter.batched._place
+    monkeypatch.setattr(inter, "_admitted_spec", lambda *a: (looks.append(1), admitted(*a))[1])
+    monkeypatch.setattr(inter.batched, "_place", lambda env: (places.append(1), place(env))[1])
+    spec = _toy_spec({"op": "scale", "module": "layers.0", "factor": 2.0, "steps": "all"})
+    for req_id in ("a", "b", "c"):
+        inter.admit(req_id, {"nnsight": spec})
+    assert [s.error for r in ("a", "b", "c") for s in inter.sessions[r]] == [None] * 3
+    assert len(looks) == 1 and len(places) == 1
