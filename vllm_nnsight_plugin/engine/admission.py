@@ -159,7 +159,7 @@ class Admission:
                     max_tokens: int | None = None, shared: bool = False) -> None:
         """``shared``: other requests send this very spec object (a payload text the codec
         or the lowerings cache, an installed edit): what admitting it finds is kept for
-        them (a large payload is parsed anew for each request, and nothing keeps it)."""
+        them (a large payload is parsed anew for each request: these caches keep none)."""
         admitted = self._admitted_specs.get((id(env), max_tokens)) if shared else None
         if admitted is None or admitted.spec is not env:
             guards.refuse_integer_writes(env, self.integer_inputs)

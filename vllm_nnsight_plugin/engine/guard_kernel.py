@@ -18,8 +18,10 @@ the logits it makes (:func:`.finite_logits.prepare`); logits of another dtype or
 are built at their first guarded step (:func:`usable`: a one-time stall). A GPU or
 build where the kernel cannot run, a buffer the device cannot address, or a launch
 that fails later (:func:`give_up`) leaves the guard on its torch ops. After the JIT's
-first launch of a build, the build is launched directly (:func:`launch`): the JIT binds
-and specializes the arguments again on every call, host time the step loop pays.
+first launch of a build, the build is launched directly (:func:`launch`) where it fits
+(CUDA logits, 16-byte-aligned pointers as the JIT built for, the same JIT; ``DIRECT``):
+the JIT binds and specializes the arguments again on every call, host time the step
+loop pays.
 """
 
 from __future__ import annotations
