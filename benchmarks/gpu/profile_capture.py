@@ -21,7 +21,8 @@ results may then be missing): ``sched`` (the scheduler and KV-block wraps),
 ``results`` (the scheduler's result merge), ``guard`` (the logits check),
 ``inputs`` (the front end's payload check and salt), ``runner`` (every runner wrap:
 nothing traced runs at all), ``guardjit`` (the guard's kernel launched through
-Triton's JIT each step instead of directly). A second table gives calls per rep and
+Triton's JIT each step instead of directly), ``guardtorch`` (the guard as its torch
+ops, without its kernel). A second table gives calls per rep and
 microseconds per call and how many objects the garbage collector tracks each phase
 left behind (net, where no collection ran inside it: what makes collections come);
 the collector's pauses are timed as ``gc.collect`` rows, and its older generations'
@@ -145,6 +146,7 @@ _ABLATE = {  # part -> (module, class, method) whose plugin wrap a rep swaps for
     "runner": [("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", m)
                for m in ("execute_model", "prepare_inputs", "sample", "sample_tokens")],
     "guardjit": [],  # (the guard's kernel launched through Triton's JIT every step: see _Ablated)
+    "guardtorch": [],  # (the guard as its torch ops, no kernel: see _Ablated)
 }
 
 
@@ -159,6 +161,11 @@ class _Ablated:
             from vllm_nnsight_plugin.engine import guard_kernel
 
             self.swaps.append((guard_kernel, "DIRECT", True, False))
+        if "guardtorch" in parts:
+            from vllm_nnsight_plugin.engine import finite_logits
+
+            fused = finite_logits.FiniteLogits.__dict__["_fused"]
+            self.swaps.append((finite_logits.FiniteLogits, "_fused", fused, staticmethod(lambda logits: False)))
         for part in parts:
             for mod_name, cls_name, meth in _ABLATE[part]:
                 cls = getattr(importlib.import_module(mod_name), cls_name)
