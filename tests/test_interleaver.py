@@ -738,7 +738,6 @@ def test_requests_of_one_spec_share_its_admission_but_not_a_refusal(configs, mon
     """The requests that send one spec's text are admitted from one look at the spec
     (where its ops register, what it does), each with its own row log; a spec this
     engine refuses is refused for every request that sends it, not remembered as admitted."""
-    import json
 
     from vllm import SamplingParams
 
@@ -775,5 +774,4 @@ def test_requests_of_one_spec_share_its_admission_but_not_a_refusal(configs, mon
     large = read_and_steer[:-1] + " " * 70_000 + "}"
     eager.admit("g", {"nnsight": large}, params)
     assert eager.sessions["g"][0].batched and len(places) == 2
-    kept = [*eager._admitted_specs.values(), *eager.batched._placed.values()]
-    assert all(len(json.dumps(entry[0])) < 1000 for entry in kept)  # (the small spec's only)
+    assert len(eager._admitted_specs) == len(eager.batched._placed) == 1  # (the small spec's only)

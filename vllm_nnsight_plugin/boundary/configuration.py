@@ -4,9 +4,9 @@ the model's widths and the operator's ``additional_config["nnsight"]`` section.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from ..engine.memo import IdentityMemo
 from ..payload.settings import Settings, settings_of
 
 
@@ -103,23 +103,9 @@ def llm_config(llm: Any) -> Any:
     return getattr(llm, "llm_engine", llm).vllm_config
 
 
-def _once_per(table: dict[int, tuple[Any, Any]], key: Any, compute: Callable[[Any], Any], keep: bool = True) -> Any:
-    """``compute(key)``, once per ``key`` object (held by identity: configs do not hash;
-    at most 17 kept). Not ``keep``: computed, not stored."""
-    hit = table.get(id(key))
-    if hit is not None and hit[0] is key:
-        return hit[1]
-    if len(table) > 16:
-        table.clear()
-    value = compute(key)
-    if keep:
-        table[id(key)] = (key, value)
-    return value
-
-
-# id(model_config) -> (model config, its width bound); the model config, not the engine's
-# whole config, which in-process engines share and which reaches their layers
-_widths: dict[int, tuple[Any, Any]] = {}
+# the width bound per model config; the model config, not the engine's whole config,
+# which in-process engines share and which reaches their layers
+_widths: IdentityMemo[int | None] = IdentityMemo(limit=16)
 
 
 def model_width(vllm_config: Any) -> int | None:
@@ -128,7 +114,7 @@ def model_width(vllm_config: Any) -> int | None:
     gate/up projections, a 4x MLP. None when the config does not say. Computed once
     per model config (the front end asks for every traced request)."""
     mc = getattr(vllm_config, "model_config", None)
-    return None if mc is None else _once_per(_widths, mc, _model_width)
+    return None if mc is None else _widths.get(mc, lambda: _model_width(mc))
 
 
 def _model_width(mc: Any) -> int | None:
@@ -142,7 +128,7 @@ def _model_width(mc: Any) -> int | None:
         return None
 
 
-_parsed: dict[int, tuple[Any, Any]] = {}  # id(section) -> (section, its settings)
+_parsed: IdentityMemo[Settings] = IdentityMemo(limit=16)  # section -> its settings
 
 
 def settings(vllm_config: Any) -> Settings:
@@ -150,7 +136,7 @@ def settings(vllm_config: Any) -> Settings:
     per section (the front end asks for every traced request)."""
     section = additional_config(vllm_config)
     # (an absent section is a new {} each time: settings_of caches those)
-    return _once_per(_parsed, section, settings_of, keep=bool(section))
+    return _parsed.get(section, lambda: settings_of(section), keep=bool(section))
 
 
 def additional_config(vllm_config: Any) -> dict:

@@ -18,7 +18,6 @@ from .tree import map_tensors
 class AdmittedSpec(NamedTuple):
     """A spec as this engine admits it (:meth:`Admission._admitted_spec`)."""
 
-    spec: Any  # the spec as sent (the cache's key holds its id: kept alive here)
     expanded: dict[str, Any]  # its ops, caches expanded
     batched: dict[str, Any] | None  # as it runs batched for the request; None: per request
     facts: tuple  # (reads, prefill reads, prompt only, last step, replayable, edits) of ``batched``
@@ -160,18 +159,11 @@ class Admission:
         """``shared``: other requests send this very spec object (a payload text the codec
         or the lowerings cache, an installed edit): what admitting it finds is kept for
         them (a large payload is parsed anew for each request: these caches keep none)."""
-        admitted = self._admitted_specs.get((id(env), max_tokens)) if shared else None
-        if admitted is None or admitted.spec is not env:
-            guards.refuse_integer_writes(env, self.integer_inputs)
-            if self.edits_refused and spec.edits(env):
-                raise codec.PayloadError(self.edits_refused)
-            admitted = self._admitted_spec(env, max_tokens, shared)  # (raises for a spec this engine refuses)
-            if shared:
-                if len(self._admitted_specs) > 64:
-                    self._admitted_specs.clear()
-                self._admitted_specs[(id(env), max_tokens)] = admitted
-        elif self.edits_refused and spec.edits(env):  # (its other checks passed when it was kept)
+        if self.edits_refused and spec.edits(env):  # (before the spec's other checks, kept or not)
             raise codec.PayloadError(self.edits_refused)
+        # (_admitted_spec raises for a spec this engine refuses: nothing kept)
+        admitted = self._admitted_specs.get(env, lambda: self._admitted_spec(env, max_tokens, shared),
+                                            max_tokens, keep=shared)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
         if batch_index is not None and admitted.batched is not None:  # with every identical edit, no greenlet
             env = admitted.batched
@@ -204,17 +196,17 @@ class Admission:
         """What admitting a spec finds, the same for every request that sent it with
         ``max_tokens``: its checks against this engine, its ops with caches expanded
         and, where it runs batched, as it runs for such a request and what it does
-        (checked before: no integer writes, and edits only where the engine takes them)."""
-        sent = env
+        (checked before: edits only where the engine takes them)."""
+        guards.refuse_integer_writes(env, self.integer_inputs)
         if self.stages is not None and self.stages.last:
             guards.refuse_absent(env, self.absent, self.stages.carries)
         elif self.stages is not None:  # (caches reach the last stage's modules only: refuse_absent)
             env = {**env, "ops": [op for op in env["ops"] if op["op"] != "cache"]}
         expanded = self.batched.with_caches(env, self.expand_cache, shared)
         if not spec.runs_batched(expanded):
-            return AdmittedSpec(sent, expanded, None, ())
+            return AdmittedSpec(expanded, None, ())
         batched = self.batched.for_request(expanded, max_tokens, shared)
-        return AdmittedSpec(sent, expanded, batched, (
+        return AdmittedSpec(expanded, batched, (
             spec.reads(batched), spec.prefill_reads(batched), spec.prompt_only(batched), spec.last_step(batched),
             spec.replayable(batched), spec.edits(batched)))
 

@@ -27,6 +27,7 @@ from . import arith, lanes
 from .guards import check_writable
 from .host import host_copy, put_rows
 from .lane_plans import LanePlans
+from .memo import IdentityMemo
 from .plan_ops import (
     LOGITS,
     Entry,
@@ -71,25 +72,19 @@ class BatchedEdits(LanePlans):
         self._steady: tuple | None = None  # (layout, version, whether steady): see steady
         self._row_indexes: dict[tuple, tuple[list, Any]] = {}  # see _rows_of
         self._seqs: dict[int, tuple[dict[str, Any], int]] = {}  # id(op) -> (op, its seq)
-        self._for_request: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}  # see for_request
+        self._for_request: IdentityMemo[dict[str, Any]] = IdentityMemo()  # (spec, max_tokens) -> see for_request
         self._next_seq = 0
         self.late: set[tuple] = set()  # locations with late entries (cache reads: after every edit)
-        self._expanded: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # see with_caches
-        self._placed: dict[int, tuple] = {}  # id(spec) -> (spec, where its ops register): see add
+        self._expanded: IdentityMemo[dict[str, Any]] = IdentityMemo()  # spec -> see with_caches
+        self._placed: IdentityMemo[tuple[list, list, list]] = IdentityMemo()  # spec -> where its ops register
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int, shared: bool = False) -> None:
         """Register a request's ops (applied in block then spec order per location).
         Under pipeline parallel, only this stage's part (:meth:`.stages.StageTransport.role`).
         ``shared``: other requests send this very spec object (a payload text the codec
         caches): where its ops register is kept for them."""
-        known = self._placed.get(id(env)) if shared else None
-        if known is None or known[0] is not env:
-            known = (env, *self._place(env))  # (raises for an op this engine refuses: nothing registered)
-            if shared:
-                if len(self._placed) > 64:
-                    self._placed.clear()
-                self._placed[id(env)] = known
-        _, row_logs, entries, exports = known
+        # (_place raises for an op this engine refuses: nothing registered)
+        row_logs, entries, exports = self._placed.get(env, lambda: self._place(env), keep=shared)
         for name, squeeze in row_logs:
             session.namespace[name] = session.keep(RowLog(squeeze=squeeze))
         for key, path, kind, op in exports:
@@ -133,9 +128,10 @@ class BatchedEdits(LanePlans):
         ops group by identity)."""
         if not any(op["op"] == "cache" for op in env["ops"]):
             return env
-        known = self._expanded.get(id(env)) if shared else None
-        if known is not None and known[0] is env:
-            return known[1]
+        return self._expanded.get(env, lambda: self._expand(env, expand), keep=shared)
+
+    @staticmethod
+    def _expand(env: dict[str, Any], expand: Any) -> dict[str, Any]:
         ops: list[dict[str, Any]] = []
         caches = []
         for op in env["ops"]:
@@ -145,12 +141,7 @@ class BatchedEdits(LanePlans):
             expansion = expand(op)
             caches.append(expansion)
             ops.extend(expansion.reads)
-        out = {**env, "ops": ops, "caches": caches}
-        if shared:
-            if len(self._expanded) > 64:
-                self._expanded.clear()
-            self._expanded[id(env)] = (env, out)
-        return out
+        return {**env, "ops": ops, "caches": caches}
 
     def for_request(self, env: dict[str, Any], max_tokens: int | None, shared: bool = True) -> dict[str, Any]:
         """The spec as it runs for a request of ``max_tokens`` steps: an op whose
@@ -161,10 +152,10 @@ class BatchedEdits(LanePlans):
         requests of one spec still share its ops."""
         if not max_tokens or not any(isinstance(op.get("steps"), list) for op in env["ops"]):
             return env
-        key = (id(env), max_tokens)
-        known = self._for_request.get(key) if shared else None
-        if known is not None and known[0] is env:
-            return known[1]
+        return self._for_request.get(env, lambda: self._steps_as_run(env, max_tokens), max_tokens, keep=shared)
+
+    @staticmethod
+    def _steps_as_run(env: dict[str, Any], max_tokens: int) -> dict[str, Any]:
         ops = []
         for op in env["ops"]:
             steps = op.get("steps")
@@ -172,12 +163,7 @@ class BatchedEdits(LanePlans):
                     and steps == list(range(steps[0], steps[-1] + 1)):
                 op = {**op, "steps": "all" if steps[0] == 0 else "generated"}
             ops.append(op)
-        out = {**env, "ops": ops}
-        if shared:
-            if len(self._for_request) > 64:
-                self._for_request.clear()
-            self._for_request[key] = (env, out)
-        return out
+        return {**env, "ops": ops}
 
     def _seq(self, op: dict[str, Any]) -> int:
         """The op's admission number: a payload's parsed ops are shared by every request
