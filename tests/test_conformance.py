@@ -501,3 +501,35 @@ def test_logits_and_samples_spelled_as_before_nnsight_0_7(llama, hf_llama):
         llama.logits.output = torch.full_like(logits, -1e9).index_fill_(-1, torch.tensor([7], device=logits.device),
                                                                         0.0)
     assert tracer.outputs[0].outputs[0].token_ids[0] == 7
+
+
+def test_a_finished_trace_and_its_outputs_go_without_the_garbage_collector(llama):
+    """The tracer holds its invokes and outputs, and an invoke the values its block
+    reads, the tracer among them: an invoke keeps a reference in its place, so a
+    trace's outputs are freed when the caller lets go of the tracer, not at Python's
+    next collection (a batch of 256 requests left thousands of objects to it)."""
+    import gc
+    import weakref
+
+    def run(single: bool) -> list[weakref.ref]:
+        if single:
+            with llama.trace(PROMPTS[0], max_tokens=2) as tracer:
+                for _step in tracer.iter[:]:
+                    llama.model.layers[0].output[0][:] *= 1.0
+        else:
+            with llama.trace(max_tokens=2) as tracer:
+                for prompt in PROMPTS:
+                    with tracer.invoke(prompt):
+                        for _step in tracer.iter[:]:
+                            llama.model.layers[0].output[0][:] *= 1.0
+        assert all(o.ran_as == "batched" for o in tracer.outputs)
+        return [weakref.ref(tracer), *(weakref.ref(o) for o in tracer.outputs)]
+
+    gc.collect()
+    gc.disable()
+    try:
+        for single in (True, False):
+            refs = run(single)
+            assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()

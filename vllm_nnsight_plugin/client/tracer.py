@@ -48,6 +48,21 @@ class Invoke:
     shared: dict[str, tuple[list, Any]] = field(default_factory=dict)
 
 
+class _TracerRef:
+    """What a block's tracer (or invoker) sends: a reference the engine resolves to the
+    request's own tracer. An invoke keeps this, not the tracer: the tracer holds its
+    invokes and outputs, and a cycle back would keep a finished trace's outputs alive
+    until Python's collector finds it (a batch of 256 requests: thousands of objects)."""
+
+    __slots__ = ()
+
+    def __nnsight_ref__(self) -> tuple:
+        return ("tracer",)
+
+
+TRACER_REF = _TracerRef()
+
+
 class _Capturing:
     """Shared enter/exit of blocks whose body is sent to the engine."""
 
@@ -58,6 +73,9 @@ class _Capturing:
         values = gather_values(frame, block.names)
         if block.as_name and block.as_name in block.names:
             values[block.as_name] = self
+        for name, value in values.items():  # (the tracer holds its invokes: no cycle back to it)
+            if isinstance(value, _Capturing):
+                values[name] = TRACER_REF
         if not block.empty:  # (an empty body runs here as the no-op it is)
             self._skipper = skipper_for(frame, block)
         return block, values
