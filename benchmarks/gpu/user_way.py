@@ -15,7 +15,8 @@ of the run, its bootstrap 95% interval, and the range. ``--batches K`` makes eac
 measurement K batches of fresh prompts back to back; ``--pin`` gives each engine's processes their own CPU cores,
 and ``--rotate`` moves the engines to the next engine's cores every round (an engine ran fastest on the cores
 it started on), and ``--both-baselines`` pairs each workload with the two stock engines in turn (the table
-then gives each baseline's rows and both pooled). A second table gives each traced workload over its own
+then gives each baseline's rows and both pooled); ``--gc`` also times the garbage
+collector's pauses in each engine's front end and engine core. A second table gives each traced workload over its own
 engine's untraced batch of the same round, a ratio with no stock engine in it.
 Output tokens are counted from the outputs; any request that ended in an error, or
 did not run as the batched plan, fails the run.
@@ -230,13 +231,58 @@ def child(kind: str, memory: float, tp: int) -> None:
         name, seed, batches = (line.split() + ["1"])[:3]
         prompt_sets = [prompts_for(int(seed) * 100 + b) for b in range(int(batches))]
         before = whole_bytes() if whole_bytes else 0  # (an RPC: outside the timed part)
+        gc_before = gc_totals()
         t = time.time()
         outputs = [runs[name](prompts) for prompts in prompt_sets]
         took = time.time() - t
         reply = {"s": took, "tokens": sum(_check(name, o, plugin) for o in outputs)}
+        if gc_before is not None:
+            time.sleep(0.1)  # (the probes' next writes, outside the timed part)
+            reply["gc"] = {k: [a - b for a, b in zip(v, gc_before[k])] for k, v in gc_totals().items()}
         if whole_bytes:
             reply["tp_whole_bytes"] = whole_bytes() - before
         print("TIME " + json.dumps(reply), flush=True)
+
+
+def gc_totals() -> dict[str, list[float]] | None:
+    """With ``--gc``: the collector's totals in this process (the front end) and in its
+    descendants (the engine core), each [gen-0, gen-1, gen-2 collections, ms paused]
+    (``gc_probe/sitecustomize.py``); None without."""
+    probe = os.environ.get("NNSIGHT_GC_PROBE")
+    if not probe:
+        return None
+    import sitecustomize  # (the probe: first on PYTHONPATH)
+
+    def flat(totals: list) -> list[float]:
+        return [totals[0][0], totals[1][0], totals[2][0], 1000 * sum(t[1] for t in totals)]
+
+    core = [0.0] * 4
+    for pid in descendants(os.getpid()):
+        try:
+            with open(os.path.join(probe, f"{pid}.json")) as fh:
+                core = [a + b for a, b in zip(core, flat(json.load(fh)))]
+        except (OSError, ValueError):
+            continue
+    return {"front": flat(sitecustomize.TOTALS), "core": core}
+
+
+def gc_table(rounds: list[dict[str, list[dict]]], batches: int) -> str:
+    """Medians per batch of the collector's pauses (``--gc``), each workload beside the
+    stock batches it was paired with."""
+    lines = ["| workload | front end: ms paused | engine core: ms paused | engine core: gen-0/1/2 collections "
+             "| stock beside it: front end ms, engine core ms |", "|---|---:|---:|---:|---:|"]
+    for key in pair_keys(rounds):
+        pairs = [p for p in pairs_for(rounds, key) if "gc" in p["run"] and "gc" in p["stock"]]
+        if not pairs:
+            continue
+
+        def med(side: str, part: str, i: int, pairs: list[dict] = pairs) -> float:
+            return statistics.median(p[side]["gc"][part][i] for p in pairs) / batches
+
+        lines.append(f"| {key} | {med('run', 'front', 3):.1f} | {med('run', 'core', 3):.1f} | "
+                     + "/".join(f"{med('run', 'core', i):.1f}" for i in range(3))
+                     + f" | {med('stock', 'front', 3):.1f}, {med('stock', 'core', 3):.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def descendants(pid: int) -> list[int]:
@@ -286,6 +332,9 @@ def main() -> None:
                              "with lanes off (untraced traffic without the lanes' kernels)")
     parser.add_argument("--workloads", default="", help="only these workloads (default: every one)")
     parser.add_argument("--pairs", type=int, default=2, help="pairs of each workload per round (fresh prompts each)")
+    parser.add_argument("--gc", action="store_true",
+                        help="time the garbage collector's pauses in each engine's front end and engine core "
+                             "(gc_probe/sitecustomize.py in every engine process)")
     parser.add_argument("--child")
     args = parser.parse_args()
     if not (1 <= args.pairs < 10 and 1 <= args.batches <= 100):
@@ -309,6 +358,10 @@ def main() -> None:
                    VLLM_NNSIGHT_DISABLE="0" if kind in ("plugin", "idle", "loaded", "nolanes") else "1")
         if kind == "nnsight":
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [NNSIGHT_SITE, env.get("PYTHONPATH")]))
+        if args.gc:
+            probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gc_probe")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [probe, env.get("PYTHONPATH")]))
+            env["NNSIGHT_GC_PROBE"] = f"/dev/shm/nnsight-gc-{os.getpid()}"
         err = open(os.path.join(out_dir, f"user_way-{kind}.stderr"), "w")
         pin = []
         if args.pin:  # (children inherit the affinity: the engine core and its worker too)
@@ -402,6 +455,8 @@ def main() -> None:
                 print(f"| {k} | {per / 2**20:,.1f} MiB | {per / OLEN / 2**10:,.1f} KiB |")
     if same := same_engine_table(rounds):
         print("\n" + same)
+    if collected := gc_table(rounds, args.batches):
+        print("\nPython's garbage collector, per batch (median of the pairs; --gc):\n" + collected)
     with open(os.path.join(out_dir, "user_way.json"), "w") as fh:
         json.dump({"rounds": rounds, "table": table}, fh, indent=1)
 
