@@ -231,23 +231,25 @@ def child(kind: str, memory: float, tp: int) -> None:
         name, seed, batches = (line.split() + ["1"])[:3]
         prompt_sets = [prompts_for(int(seed) * 100 + b) for b in range(int(batches))]
         before = whole_bytes() if whole_bytes else 0  # (an RPC: outside the timed part)
+        outputs = None  # (the last batch's outputs are freed here, not in the timed part)
         gc_before = gc_totals()
         t = time.time()
         outputs = [runs[name](prompts) for prompts in prompt_sets]
         took = time.time() - t
+        gc_front = gc_totals()
         reply = {"s": took, "tokens": sum(_check(name, o, plugin) for o in outputs)}
         if gc_before is not None:
-            time.sleep(0.1)  # (the probes' next writes, outside the timed part)
-            reply["gc"] = {k: [a - b for a, b in zip(v, gc_before[k])] for k, v in gc_totals().items()}
+            time.sleep(0.1)  # (the engine processes' next writes, outside the timed part)
+            reply["gc"] = gc_delta(gc_before, gc_front, gc_totals())
         if whole_bytes:
             reply["tp_whole_bytes"] = whole_bytes() - before
         print("TIME " + json.dumps(reply), flush=True)
 
 
-def gc_totals() -> dict[str, list[float]] | None:
-    """With ``--gc``: the collector's totals in this process (the front end) and in its
-    descendants (the engine core), each [gen-0, gen-1, gen-2 collections, ms paused]
-    (``gc_probe/sitecustomize.py``); None without."""
+def gc_totals() -> dict[int, list[float]] | None:
+    """With ``--gc``: the collector's totals per process, this one (the front end) and
+    its descendants (the engine core and any workers), each [gen-0, gen-1, gen-2
+    collections, ms paused] (``gc_probe/sitecustomize.py``); None without."""
     probe = os.environ.get("NNSIGHT_GC_PROBE")
     if not probe:
         return None
@@ -256,21 +258,34 @@ def gc_totals() -> dict[str, list[float]] | None:
     def flat(totals: list) -> list[float]:
         return [totals[0][0], totals[1][0], totals[2][0], 1000 * sum(t[1] for t in totals)]
 
-    core = [0.0] * 4
+    out = {os.getpid(): flat(sitecustomize.TOTALS)}
     for pid in descendants(os.getpid()):
         try:
             with open(os.path.join(probe, f"{pid}.json")) as fh:
-                core = [a + b for a, b in zip(core, flat(json.load(fh)))]
+                out[pid] = flat(json.load(fh))
         except (OSError, ValueError):
             continue
-    return {"front": flat(sitecustomize.TOTALS), "core": core}
+    return out
+
+
+def gc_delta(before: dict, front: dict, after: dict) -> dict[str, list[float]]:
+    """One batch's collections: the front end's up to the end of the timed part, the
+    engine processes' (summed) up to their writes after it; a process that came or went
+    in between does not count."""
+    me = os.getpid()
+    core = [0.0] * 4
+    for pid, totals in after.items():
+        if pid != me and pid in before:
+            core = [c + a - b for c, a, b in zip(core, totals, before[pid])]
+    return {"front": [a - b for a, b in zip(front[me], before[me])], "core": core}
 
 
 def gc_table(rounds: list[dict[str, list[dict]]], batches: int) -> str:
     """Medians per batch of the collector's pauses (``--gc``), each workload beside the
     stock batches it was paired with."""
-    lines = ["| workload | front end: ms paused | engine core: ms paused | engine core: gen-0/1/2 collections "
-             "| stock beside it: front end ms, engine core ms |", "|---|---:|---:|---:|---:|"]
+    lines = ["| workload | front end: ms paused | engine processes: ms paused "
+             "| engine processes: gen-0/1/2 collections | stock beside it: front end ms, engine processes ms |",
+             "|---|---:|---:|---:|---:|"]
     for key in pair_keys(rounds):
         pairs = [p for p in pairs_for(rounds, key) if "gc" in p["run"] and "gc" in p["stock"]]
         if not pairs:

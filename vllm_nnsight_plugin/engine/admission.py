@@ -130,9 +130,9 @@ class Admission:
     def install_edit(self, edit_id: str, name: str | None, raw: str) -> None:
         """An engine-wide edit: from the next admitted request on, every request runs it."""
         env = codec.parse_envelope(raw)
-        guards.refuse_integer_writes(env, self.integer_inputs)
-        if self.edits_refused and spec.may_edit(env):  # (it would end every request)
+        if self.edits_refused and spec.may_edit(env):  # (it would end every request; first, as in _admit_spec)
             raise codec.PayloadError(self.edits_refused)
+        guards.refuse_integer_writes(env, self.integer_inputs)
         self.edits[edit_id] = (name, env)
 
 
