@@ -35,7 +35,7 @@ import struct
 
 __all__ = ["payloads", "big_value_text", "GROUPS"]
 
-OPS = ("read", "add", "set", "scale", "zero", "logits_topk")
+OPS = ("read", "add", "set", "scale", "zero", "logits_topk", "result")
 EDIT_OPS = ("add", "set", "scale", "zero")
 STEP_WORDS = ("prefill", "generated", "all")
 NESTING = (100, 1000, 100000)
@@ -91,6 +91,10 @@ def _steps(rng: random.Random) -> object:
 def _valid_op(rng: random.Random, hidden: int, layers: int, i: int) -> dict:
     """One schema-valid op on a location that holds float hidden states."""
     kind = rng.choice(OPS)
+    if kind == "result":  # (tracer.result saved, whole or a part of it)
+        return {"op": kind, "name": _name(rng, i), "path": rng.choice((
+            [], [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]], [["attr", "prompt_token_ids"]],
+            [["attr", "outputs"], ["item", -1], ["attr", "text"]], [["attr", "finished"]]))}
     if kind == "logits_topk":
         op = {"op": kind, "name": _name(rng, i), "k": rng.randint(1, 10)}
         if rng.random() < 0.6:
@@ -220,8 +224,8 @@ def _wrong_type(rng: random.Random) -> object:
 
 
 def _mutate_op(rng: random.Random, op: dict, hidden: int, layers: int) -> None:
-    r = rng.randrange(14)
-    fields = ["op", "module", "io", "index", "positions", "steps", "value", "factor", "k", "name", "sum"]
+    r = rng.randrange(15)
+    fields = ["op", "module", "io", "index", "positions", "steps", "value", "factor", "k", "name", "sum", "path"]
     if r == 0:  # wrong type for a field
         op[rng.choice(fields)] = _wrong_type(rng)
     elif r == 1:  # out-of-range / negative ints
@@ -280,8 +284,16 @@ def _mutate_op(rng: random.Random, op: dict, hidden: int, layers: int) -> None:
         op["op"] = rng.choice(("READ", "read ", "del", "exec", "code", "logits", "", "topk", "mul", "eval"))
     elif r == 12:  # steps variants
         op["steps"] = rng.choice(("Prefill", "every", "", "0", [0.5], [True], [[0]], {"all": 1}, ["all"], [0, 0, 0]))
-    else:  # positions variants
+    elif r == 13:  # positions variants
         op["positions"] = rng.choice(([], [0.5], ["0"], [[0]], [None], [True], {"0": 1}, "all", 0, [-1, -1]))
+    else:  # result paths (a path a client resolves on its output: never anything but names and keys)
+        op["op"] = "result"
+        op.setdefault("name", "r")
+        op["path"] = rng.choice((
+            [["attr", "__class__"]], [["attr", "_private"]], [["call", "x"]], [["attr"]], [["item", 0.5]],
+            [["item", 2**40]], [["item", 3.0]], [["item", "k" * 65]], [["item", None]], "outputs", {"a": 1},
+            [["attr", "outputs"]] * 17, [["attr", "a" * 65]], [["attr", "a b"]], [["attr", "x\n"]], [[0, 1]],
+            [["item", True]], [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]))
 
 
 def _mutate_envelope(rng: random.Random, env: dict, hidden: int, layers: int) -> None:

@@ -208,6 +208,21 @@ def test_logits_reads_are_a_plan_of_their_own():
         {"op": "logits", "name": "ls", "steps": [0, 1, 2, 3]}]
 
 
+def test_a_saved_tracer_result_is_a_result_op_of_the_plan():
+    """``tracer.result`` is the finished output, which only the client has: saved whole
+    or in part (inside a step loop too) it is a path; computing with it runs as code."""
+    assert _ops("r = tracer.result.save()") == [{"op": "result", "name": "r", "path": []}]
+    assert _ops("for _ in tracer.all():\n    model.layers[0].output[0][:] += v\n"
+                "ids = tracer.result.outputs[0].token_ids.save()", v=VEC)[-1] == {
+        "op": "result", "name": "ids", "path": [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]}
+    assert _ops("for _ in tracer.all():\n    r = tracer.result\n    model.layers[0].output[0][:] += v\n"
+                "out = r.save()", v=VEC)[-1]["op"] == "result"
+    for source, why in (("n = len(tracer.result.outputs)", "raised TypeError"),
+                        ("r = tracer.result._hidden.save()", "a plan cannot name")):
+        found = _plan(source)
+        assert isinstance(found, Fallback) and why in found.why and found.line == 10, (source, found)
+
+
 def test_what_a_plan_cannot_hold_runs_as_code_naming_line_and_why():
     cases = {
         "h = model.layers[0].output[0]\nif h.norm() > 0:\n    h[:] *= 0.5": (11, "uses .norm"),

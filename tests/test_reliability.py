@@ -357,6 +357,23 @@ def test_a_value_wider_than_the_model_is_refused_before_its_numbers_are_read():
         codec.parse_envelope(huge)
 
 
+def test_a_result_op_names_only_attributes_and_keys_of_the_output():
+    """A ``result`` op (a saved ``tracer.result``) is a path the client follows on its own
+    output: public attribute names and keys, at most 16 steps; an integral float key is
+    an integer."""
+    def env(path):
+        return json.dumps({"v": 1, "kind": "spec", "ops": [{"op": "result", "name": "r", "path": path}]})
+
+    ok = codec.parse_envelope(env([["attr", "outputs"], ["item", 0.0], ["attr", "token_ids"]]))
+    assert ok["ops"][0]["path"] == [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]
+    assert type(ok["ops"][0]["path"][1][1]) is int
+    for path, match in (([["attr", "__class__"]], "not an attribute name"), ([["call", "f"]], "must be"),
+                        ([["item", 2**40]], "not an integer or a string"), ([["attr", "x"]] * 17, "at most 16"),
+                        ("outputs", "at most 16"), ([["item", True]], "not an integer")):
+        with pytest.raises(codec.PayloadError, match=rf"ops\[0\]\.path.*{match}"):
+            codec.parse_envelope(env(path))
+
+
 def test_the_validator_and_the_published_schema_agree():
     """Every generated payload without a server-only rule (a model's width, the JSON
     value budget, sum with index, duplicate names) is accepted by both or by neither."""

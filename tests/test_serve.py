@@ -649,7 +649,8 @@ def test_nnsight_style_blocks_run_on_a_server_that_runs_no_code(spec_server, lla
     """A served trace records its blocks here and sends their plans as JSON specs, so a
     server that runs no code (the default) runs nnsight's spellings: steering every
     step with a named layer constant, a prompt read, a saved list of reads, every-step
-    reads; batched, equal to HF. Steering changes the tokens (clean != steered)."""
+    reads, the finished output (``tracer.result``); batched, equal to HF. Steering changes
+    the tokens (clean != steered)."""
     from vllm_nnsight_plugin.client.served import ServeError
 
     model = VLLM(llama_path)
@@ -668,6 +669,8 @@ def test_nnsight_style_blocks_run_on_a_server_that_runs_no_code(spec_server, lla
                     model.model.layers[LAYER].output[0][:] += v
                 out = model.model.layers[2].output
                 rows.append(out[0] + out[1])
+            result = tracer.result.save()  # (the finished output: a plan's op too)
+        assert result is tracer.outputs[0]
         return tracer.outputs[0], prompt, pair, rows
 
     output, prompt, pair, rows = run(True)

@@ -70,6 +70,7 @@ def steer_and_read(model, tracer):
     for step in tracer.iter[:3]:  # noqa: B007
         model.model.layers[LAYER].output[0][:] += V
         rows.append(model.model.layers[2].output[1])
+    ids = tracer.result.outputs[0].token_ids.save()  # noqa: F841
 
 
 def test_the_client_records_the_plan_the_engine_records():
@@ -88,6 +89,8 @@ def test_the_client_records_the_plan_the_engine_records():
         renamed = dict(zip(engine.lists[0][1], client.lists[0][1]))
         assert got == {**want, **({"name": renamed[want["name"]]} if want.get("name") in renamed else {})}
     assert client.lists == (("pair", ("_l0.0", "_l0.1")),)
+    assert sent["ops"][-1] == {"op": "result", "name": "ids",
+                               "path": [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]}
 
 
 def test_what_the_server_would_refuse_goes_as_code_with_its_line():

@@ -146,6 +146,14 @@ def steer_a_linear(model, tracer):
         seen.append(model.model.layers[2].output[0])
 
 
+def steer_and_save_the_result(model, tracer):
+    seen = list().save()
+    for step in tracer.iter[:]:  # noqa: B007 - nnsight's own spelling
+        model.model.layers[1].output[0][:] += V
+        seen.append(model.model.layers[2].output[0])
+    ids = tracer.result.outputs[0].token_ids.save()  # noqa: F841 - (the finished output's, in the front end)
+
+
 def steer_with_all_named(model, tracer):
     seen = list().save()
     with tracer.all():
@@ -410,6 +418,10 @@ def _zoo():
                                 lambda s, h, p: [(s["s"], h["layer2"][:p])]),
         "steer_a_linear": (steer_a_linear, {"mlp1": lambda p: _add(V)},
                            lambda s, h, p: zip(s["seen"], _per_step(h["mlp2"], p, ALL))),
+        "steer_and_save_the_result": (steer_and_save_the_result, {"mlp1": lambda p: _add(V)},
+                                      lambda s, h, p: [*zip(s["seen"], _per_step(h["mlp2"], p, ALL)),
+                                                       (torch.tensor(list(s["ids"])).float(),
+                                                        h["logits"][p - 1: p - 1 + STEPS].argmax(-1).float())]),
         "steer_with_all_named": (steer_with_all_named, {"mlp1": lambda p: _add(V)},
                                  lambda s, h, p: zip(s["seen"], _per_step(h["mlp3"], p, ALL))),
         "steer_through_a_helper": (steer_through_a_helper, {"mlp1": lambda p: _add(2.0 * V)},
@@ -548,7 +560,8 @@ def test_the_same_batch_twice_gives_the_same_saves_and_reports(zoo_runs):
             xs, ys = list(leaves(a[key])), list(leaves(b[key]))  # (a tuple read: each element)
             assert [x is None for x in xs] == [y is None for y in ys], (name, key)
             xs, ys = [x for x in xs if x is not None], [y for y in ys if y is not None]
-            assert len(xs) == len(ys) and all(same(x, y) for x, y in zip(xs, ys)), (name, key)
+            assert len(xs) == len(ys) and all(same(x, y) if isinstance(x, torch.Tensor) else x == y
+                                              for x, y in zip(xs, ys)), (name, key)  # (token ids: ints)
 
 
 def test_through_trace_with_many_invokes_every_spelling_is_batched(llama, hf_llama):
@@ -574,3 +587,27 @@ def test_through_trace_with_many_invokes_every_spelling_is_batched(llama, hf_lla
     p = len(outs[1].prompt_token_ids)
     assert_close(b, hf_states(hf_llama, list(outs[1].prompt_token_ids))["mlp2"][p - 1])
     assert TOL <= 1e-4
+
+
+def test_tracer_result_saved_whole_in_part_or_alone_is_batched(llama, hf_llama):
+    """nnsight's ``tracer.result`` (the finished ``RequestOutput``, which only the front
+    end holds) saved in a block is one more op of the plan: the engine ships its path,
+    and the client takes that part of the output."""
+    with llama.trace(temperature=0.0, max_tokens=STEPS, ignore_eos=True) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            for step in tracer.iter[:]:  # noqa: B007 - nnsight's own spelling
+                llama.model.layers[LAYER].output[0][:] += V
+            result = tracer.result.save()
+        with tracer.invoke(PROMPTS[1]):
+            h = llama.model.layers[2].output[0][-1].save()
+            ids = tracer.result.outputs[0].token_ids.save()
+        with tracer.invoke(PROMPTS[2]):
+            alone = tracer.result.save()
+    outs = tracer.outputs
+    assert [o.ran_as for o in outs] == ["batched"] * 3
+    assert result is outs[0] and alone is outs[2] and list(ids) == list(outs[1].outputs[0].token_ids)
+    p = len(result.prompt_token_ids)  # (the steered request's tokens: the steered model's greedy choices)
+    states = hf_states(hf_llama, list(result.prompt_token_ids) + list(result.outputs[0].token_ids), {"mlp1": _add(V)})
+    assert list(result.outputs[0].token_ids) == states["logits"][p - 1: p - 1 + STEPS].argmax(-1).tolist()
+    p = len(outs[1].prompt_token_ids)
+    assert_close(h, hf_states(hf_llama, list(outs[1].prompt_token_ids))["mlp2"][p - 1])

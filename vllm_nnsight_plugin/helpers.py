@@ -70,10 +70,12 @@ def results(output: Any, raise_errors: bool = True) -> dict[str, Any]:
     """
     from .boundary.outputs import raw_results
     from .client.errors import make_error
+    from .client.requests import result_resolver
 
     raw = ((output.get("kv_transfer_params") or {}).get(codec.PAYLOAD_KEY) if isinstance(output, dict)
            else raw_results(output))
-    res = codec.decode_results(raw)
+    # (a saved tracer.result: that part of this output; the JSON of an HTTP response keeps the path)
+    res = codec.decode_results(raw, None if isinstance(output, dict) else result_resolver(output))
     if res is None:
         return {}
     if res.error and raise_errors:

@@ -76,7 +76,8 @@ class _OneSequence:
         return getattr(self._output, name)
 
 
-def _resolver(output: Any) -> Any:
+def result_resolver(output: Any) -> Any:
+    """``$result`` paths (a saved ``tracer.result``) resolved on ``output``."""
     def resolve(path: list) -> Any:
         value = output
         for op, arg in path:
@@ -96,14 +97,14 @@ def attach_results(output: Any) -> None:
     raw = raw_results(output)
     each = codec.sequences_of(raw) if raw is not None else None
     if each is None:
-        res = codec.decode_results(raw, _resolver(output))
+        res = codec.decode_results(raw, result_resolver(output))
         if res is not None and len(output.outputs) == 1:
             output.outputs[0].saves, output.outputs[0].nnsight_error = res.saves, res.error
     else:
         decoded: list[codec.Results | None] = [None] * len(each)
         for completion in output.outputs:  # (by index: choices in order, or not)
             if completion.index < len(each):
-                one = codec.decode_results(each[completion.index], _resolver(_OneSequence(output, completion)))
+                one = codec.decode_results(each[completion.index], result_resolver(_OneSequence(output, completion)))
                 if one is not None:
                     completion.saves, completion.nnsight_error = one.saves, one.error
                 decoded[completion.index] = one

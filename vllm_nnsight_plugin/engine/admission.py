@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from ..payload import codec, request_args, spec
 from . import cache, guards, lower, stages
-from .envoy import WorkerEnvoy
+from .envoy import ResultRef, WorkerEnvoy
 from .session import RequestSession, Wait
 from .tree import map_tensors
 
@@ -21,6 +21,7 @@ class AdmittedSpec(NamedTuple):
     expanded: dict[str, Any]  # its ops, caches expanded
     batched: dict[str, Any] | None  # as it runs batched for the request; None: per request
     facts: tuple  # (reads, prefill reads, prompt only, last step, replayable, edits) of ``batched``
+    results: tuple[tuple[str, tuple], ...] = ()  # its tracer.result saves: (name, path into the output)
 
 
 class Admission:
@@ -169,6 +170,8 @@ class Admission:
             env = admitted.batched
             self.batched.add(session, env, batch_index, shared)
             cache.bind(session, env)
+            for name, path in admitted.results:  # (the client takes that part of the finished output)
+                session.namespace[name] = session.keep(ResultRef(path))
             session.batched = True
             (session.batched_reads, session.prefill_reads, session.prompt_only, session.last_step,
              session.replayable, session.edits) = admitted.facts
@@ -206,9 +209,10 @@ class Admission:
         if not spec.runs_batched(expanded):
             return AdmittedSpec(expanded, None, ())
         batched = self.batched.for_request(expanded, max_tokens, shared)
+        results = tuple((op["name"], tuple(map(tuple, op["path"]))) for op in batched["ops"] if op["op"] == spec.RESULT)
         return AdmittedSpec(expanded, batched, (
             spec.reads(batched), spec.prefill_reads(batched), spec.prompt_only(batched), spec.last_step(batched),
-            spec.replayable(batched), spec.edits(batched)))
+            spec.replayable(batched), spec.edits(batched)), results)
 
     def cache_for(self, session: RequestSession, op: dict[str, Any]) -> cache.ModuleCache:
         """``tracer.cache()`` in a block that runs as code."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..payload.spec import READ_OPS, is_single
+from ..payload.spec import READ_OPS, RESULT, is_single
 from . import arith, lanes
 from .guards import check_writable
 from .host import host_copy, put_rows
@@ -103,6 +103,8 @@ class BatchedEdits(LanePlans):
         stages = self.inter.stages
         row_logs, entries, exports = [], [], []
         for number, op in enumerate(env["ops"]):
+            if op["op"] == RESULT:  # (nothing to run: admission binds its name)
+                continue
             role = stages.role(op) if stages is not None else "run"
             if role == "skip":
                 continue

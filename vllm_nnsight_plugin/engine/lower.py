@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from ..payload import codec
+from ..payload import codec, spec
 from . import record
+from .envoy import ResultRef
 from .forward_types import output_structure
 from .proxies import RecEnvoy, RecTensor, RecTuple
 from .rec_tracer import RecTracer
@@ -203,6 +204,11 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
             raise Unrecordable(f"saves under the name {name[:80]!r}, longer than a plan carries", None)
         if isinstance(value, record.RecCache):  # (after every other op: it reads what they made)
             caches.append((1 << 62, {**value.op, "name": name}, value.line))
+            continue
+        if type(value) is ResultRef:  # (no engine work: the client takes that part of the output)
+            ops.append((1 << 61, {"op": spec.RESULT, "name": name,
+                                  "path": [list(part) for part in value.__nnsight_result_path__]},
+                        rec.result_lines.get(id(value), 0)))
             continue
         if isinstance(value, list) and any(isinstance(v, RecTensor) and v._pending for v in value):
             raise Unrecordable(f"saves a list ({name}) holding a copy of a module's value that the block edited",

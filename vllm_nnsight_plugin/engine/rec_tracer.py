@@ -1,5 +1,5 @@
 """``tracer`` while a block is recorded (:mod:`.record`): its step loops
-(``tracer.iter[...]``, ``tracer.all()``), ``tracer.cache()``, and the step number of
+(``tracer.iter[...]``, ``tracer.all()``), ``tracer.cache()``, ``tracer.result``, and the step number of
 an open-ended loop, which the recording cannot know. Anything else a block asks of
 the tracer ends the recording (the block runs as code)."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .envoy import ResultRef
 from .proxies import refuse_as
 
 if TYPE_CHECKING:
@@ -43,6 +44,11 @@ class RecTracer:
 
     def all(self) -> Iterator[Any]:
         return self._rec.steps(None, None, 1)
+
+    @property
+    def result(self) -> ResultRef:
+        """The finished output, as in the worker: a path the block may save (a result op)."""
+        return ResultRef()
 
     def cache(self, modules: Any = None, device: Any = None, dtype: Any = None, detach: bool = True,
               include_output: bool = True, include_inputs: bool = False, **_: Any) -> Any:

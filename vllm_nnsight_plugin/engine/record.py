@@ -35,6 +35,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..payload.spec import check_result_path
+from .envoy import ResultRef
 from .proxies import RecEnvoy, RecTensor, RecTuple, _Expr, _Loc
 from .rec_tracer import StepIndex
 
@@ -112,6 +114,7 @@ class Recorder:
     trail: list[tuple[str, str]] = field(default_factory=list)  # each access, in order
     namespace: dict[str, Any] = field(default_factory=dict)  # the block's names, as it runs
     failed: Unrecordable | None = None
+    result_lines: dict[int, int] = field(default_factory=dict)  # id of a saved tracer.result -> its line
 
     def line(self) -> int | None:
         frame = sys._getframe(1)
@@ -188,6 +191,14 @@ class Recorder:
     def save(self, value: Any) -> Any:
         if isinstance(value, RecCache):
             return value  # (saved already)
+        if type(value) is ResultRef:  # (a result op: the client takes that part of the finished output)
+            path = value.__nnsight_result_path__
+            if not check_result_path(path):
+                self.fail("saves a part of tracer.result a plan cannot name")
+            copy = ResultRef(path)
+            self.saved[id(copy)] = copy
+            self.result_lines[id(copy)] = self.line() or 0
+            return copy
         if isinstance(value, (RecTensor, RecTuple)):
             copy = value._copy()  # (as a block's save: a copy; the saved name is the one bound to it)
             self.saved[id(copy)] = copy
@@ -273,6 +284,9 @@ def _same_state(first: dict[str, Any], second: dict[str, Any]) -> bool:
     for name, a in first.items():
         b = second[name]
         if a is b or isinstance(a, (RecTensor, RecTuple, _Expr, RecEnvoy)) and type(a) is type(b):
+            continue
+        if type(a) is ResultRef and type(b) is ResultRef \
+                and a.__nnsight_result_path__ == b.__nnsight_result_path__:
             continue
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             if a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b)):

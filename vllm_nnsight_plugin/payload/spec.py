@@ -13,10 +13,13 @@ any element is looked at. Errors name the bad field. The worker then runs it
       {"op": "read", "name": "stream", "module": "model.layers.1", "sum": true, "steps": "all"},
       {"op": "add", "module": "model.layers.0", "index": 0, "value": [0.1, ...], "steps": "all"},
       {"op": "logits_topk", "name": "top", "k": 5, "steps": "all"},
-      {"op": "cache", "name": "cache", "modules": ["model.layers.0"], "inputs": false}]}
+      {"op": "cache", "name": "cache", "modules": ["model.layers.0"], "inputs": false},
+      {"op": "result", "name": "ids", "path": [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]}]}
 
 A ``cache`` op is nnsight's ``tracer.cache()``: every named module's value (or
-those of ``modules``) at each step, returned as one value (:mod:`.cache`).
+those of ``modules``) at each step, returned as one value (:mod:`.cache`). A
+``result`` op is nnsight's ``tracer.result`` saved (or a part of it): the engine
+ships only its path, and the client takes that part of the finished ``RequestOutput``.
 """
 
 from __future__ import annotations
@@ -49,10 +52,14 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "scale": (("op", "module", "factor"), _LOCATION),
     "zero": (("op", "module"), _LOCATION),
     "cache": (("op", "name"), ("modules", "inputs", "outputs", "steps", "dtype")),
+    "result": (("op", "name", "path"), ()),
 }
 MAX_CACHED_MODULES = 4096
 WRITES = ("add", "set", "scale", "zero")
 READ_OPS = ("read", "logits")  # the reads a batched plan runs (with WRITES)
+RESULT = "result"  # tracer.result: a path into the finished RequestOutput, resolved by the client
+MAX_RESULT_PATH = 16
+_ATTR = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -206,6 +213,36 @@ def _check_op(op: Any, i: int, max_width: int | None) -> None:
         c.fail("sum", "a sum of the value's tensors takes no index")
     if kind == "cache":
         _check_cache(c, op)
+    if kind == RESULT:
+        _check_result_path(c, op["path"])
+
+
+def check_result_path(path: tuple) -> bool:
+    """Whether a ``tracer.result`` path (``(("attr", name) | ("item", key), ...)``) fits
+    a result op."""
+    return len(path) <= MAX_RESULT_PATH and all(
+        (kind == "attr" and isinstance(arg, str) and _ATTR.fullmatch(arg) is not None)
+        or (kind == "item" and (type(arg) is int and -(1 << 31) <= arg < (1 << 31)
+                                or isinstance(arg, str) and len(arg) <= 64))
+        for kind, arg in path)
+
+
+def _check_result_path(c: _Op, path: Any) -> None:
+    """``[["attr", name] | ["item", int or str], ...]``: ``tracer.result.outputs[0].token_ids``
+    is ``[["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]``."""
+    if not isinstance(path, list) or len(path) > MAX_RESULT_PATH:
+        c.fail("path", f"must be a list of at most {MAX_RESULT_PATH} steps")
+    for i, step in enumerate(path):
+        if not isinstance(step, list) or len(step) != 2 or step[0] not in ("attr", "item"):
+            c.fail(f"path[{i}]", 'must be ["attr", name] or ["item", key]')
+        kind, arg = step
+        if kind == "attr" and not (isinstance(arg, str) and _ATTR.fullmatch(arg)):
+            c.fail(f"path[{i}]", f"{str(arg)[:80]!r} is not an attribute name ({_ATTR.pattern})")
+        if kind == "item":
+            if is_integer(arg) and -(1 << 31) <= arg < (1 << 31):
+                step[1] = int(arg)
+            elif not (isinstance(arg, str) and len(arg) <= 64):
+                c.fail(f"path[{i}]", f"{str(arg)[:80]!r} is not an integer or a string of at most 64 characters")
 
 
 def _check_cache(c: _Op, op: dict[str, Any]) -> None:
@@ -280,16 +317,23 @@ def is_single(op: dict[str, Any]) -> bool:
 # admission, the front end's replay check and the pipeline-stage refusals).
 
 def runs_batched(env: dict[str, Any]) -> bool:
-    """Whether a spec can run batched: every op reads or edits a module or reads the
-    logits (a ``logits_topk`` runs per request)."""
-    return env.get("kind") == "spec" and all(op["op"] in WRITES or op["op"] in READ_OPS for op in env["ops"])
+    """Whether a spec can run batched: every op reads or edits a module, reads the
+    logits or saves ``tracer.result`` (a ``logits_topk`` runs per request)."""
+    return env.get("kind") == "spec" and all(op["op"] in WRITES or op["op"] in READ_OPS or op["op"] == RESULT
+                                             for op in env["ops"])
+
+
+def engine_ops(env: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ops the engine runs: all but ``result`` ops (the client resolves those on
+    the finished output; the engine only ships their names)."""
+    return [op for op in env["ops"] if op["op"] != RESULT]
 
 
 def replayable(env: dict[str, Any]) -> bool:
     """Edits only, of whole rows at every step: a recomputed forward, a split prompt or
     a prefix-cache hit computed under the same edits gets them again, row by row."""
     return all(op["op"] in WRITES and op.get("steps") == "all" and op.get("positions") is None
-               for op in env["ops"])
+               for op in engine_ops(env))
 
 
 def edits(env: dict[str, Any]) -> bool:
@@ -305,7 +349,7 @@ def may_edit(env: dict[str, Any]) -> bool:
 def last_step(env: dict[str, Any]) -> int | None:
     """The spec's last step (None: it runs to the request's end)."""
     last = 0
-    for op in env["ops"]:
+    for op in engine_ops(env):
         steps = op.get("steps", "prefill")
         if steps in ("all", "generated"):
             return None
@@ -318,9 +362,11 @@ def reads(env: dict[str, Any]) -> bool:
 
 
 def prefill_reads(env: dict[str, Any]) -> bool:
-    return any(op["op"] in READ_OPS and is_single(op) for op in env["ops"])
+    """Something ships after the first step: a read at the prompt, or a saved
+    ``tracer.result`` (its path, which the client resolves on the finished output)."""
+    return any(op["op"] in READ_OPS and is_single(op) or op["op"] == RESULT for op in env["ops"])
 
 
 def prompt_only(env: dict[str, Any]) -> bool:
     """Only reads at the prompt: nothing is left to do after the first step."""
-    return all(op["op"] in READ_OPS and is_single(op) for op in env["ops"])
+    return all(op["op"] in READ_OPS and is_single(op) for op in engine_ops(env))
