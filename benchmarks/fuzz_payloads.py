@@ -287,8 +287,9 @@ def _mutate_op(rng: random.Random, op: dict, hidden: int, layers: int) -> None:
     elif r == 13:  # positions variants
         op["positions"] = rng.choice(([], [0.5], ["0"], [[0]], [None], [True], {"0": 1}, "all", 0, [-1, -1]))
     else:  # result paths (a path a client resolves on its output: never anything but names and keys)
-        op["op"] = "result"
-        op.setdefault("name", "r")
+        name = op.get("name", "r")
+        op.clear()
+        op.update({"op": "result", "name": name})
         op["path"] = rng.choice((
             [["attr", "__class__"]], [["attr", "_private"]], [["call", "x"]], [["attr"]], [["item", 0.5]],
             [["item", 2**40]], [["item", 3.0]], [["item", "k" * 65]], [["item", None]], "outputs", {"a": 1},

@@ -367,6 +367,9 @@ def test_a_result_op_names_only_attributes_and_keys_of_the_output():
     ok = codec.parse_envelope(env([["attr", "outputs"], ["item", 0.0], ["attr", "token_ids"]]))
     assert ok["ops"][0]["path"] == [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]
     assert type(ok["ops"][0]["path"][1][1]) is int
+    internal = json.dumps({"v": 1, "kind": "spec", "ops": [{"op": "result", "name": "__cache__cache.0", "path": []}]})
+    with pytest.raises(codec.PayloadError, match=r"ops\[0\]\.name"):  # (the engine's own names: a cache's reads)
+        codec.parse_envelope(internal)
     for path, match in (([["attr", "__class__"]], "not an attribute name"), ([["call", "f"]], "must be"),
                         ([["item", 2**40]], "not an integer or a string"), ([["attr", "x"]] * 17, "at most 16"),
                         ("outputs", "at most 16"), ([["item", True]], "not an integer")):

@@ -140,3 +140,31 @@ def test_sequences_are_matched_by_index_and_missing_ones_are_none():
     assert torch.equal(by_index[2].saves["a"], torch.ones(2)) and by_index[1].saves == {}
     assert out.nnsight_error == {"message": "x"} and by_index[2].nnsight_error == {"message": "x"}
     assert [sorted(s) for s in out.nnsight_sequence_saves] == [["a"], [], ["a", "b"]]
+
+
+def test_a_saved_tracer_result_is_taken_from_each_sequence_and_only_along_a_valid_path():
+    """A result op's path is followed on the finished output, each of n sequences on
+    its own completion, by ``attach_results`` and ``results()`` alike; a path a result
+    op cannot hold (a dunder, a call), one the output lacks, or an unfinished output's
+    stays as it came."""
+    from vllm_nnsight_plugin import results
+    from vllm_nnsight_plugin.client.requests import attach_results
+    from vllm_nnsight_plugin.client.served import ServedCompletion, ServedOutput
+    from vllm_nnsight_plugin.payload import codec
+
+    ids = [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]
+    bad = {"dunder": [["attr", "__class__"]], "call": [["call", "x"]], "missing": [["attr", "outputs"], ["item", 5]],
+           "shape": ["outputs"]}
+
+    def output(finished=True):
+        saves = {"ids": {"$result": ids}, **{k: {"$result": v} for k, v in bad.items()}}
+        sequences = [codec.results_of(saves, None, [], "batched") for _ in range(2)]
+        return ServedOutput("r", [1, 2], [ServedCompletion(i, "", [10 + i, 20 + i], "length", None) for i in (1, 0)],
+                            {codec.PAYLOAD_KEY: {codec.SEQUENCES: sequences}}, finished=finished)
+
+    out = output()
+    attach_results(out)
+    assert out.saves["ids"] == [[10, 20], [11, 21]] and results(output())["ids"] == [[10, 20], [11, 21]]
+    for name, path in bad.items():
+        assert out.saves[name] == [{"$result": path}] * 2, name
+    assert results(output(finished=False))["ids"] == [{"$result": ids}] * 2

@@ -544,6 +544,13 @@ def test_what_a_plan_cannot_hold_runs_as_code_at_its_line_and_equals_hugging_fac
     _check(out, edits, expect, hf_llama)
 
 
+def test_plain_vllm_outputs_take_a_saved_result_from_themselves(zoo_runs):
+    """Raw ``LLM.generate`` with a payload: ``results(out)`` and ``out.saves`` give a saved
+    ``tracer.result`` part from that very output."""
+    out = zoo_runs[0]["steer_and_save_the_result"]
+    assert list(results(out)["ids"]) == list(out.saves["ids"]) == list(out.outputs[0].token_ids)
+
+
 def test_the_same_batch_twice_gives_the_same_saves_and_reports(zoo_runs):
     """Bit for bit on CPU. On a GPU a GEMM's last bits depend on which requests share
     its step, and two runs of one trace may form steps differently (a request joins the

@@ -70,12 +70,12 @@ def results(output: Any, raise_errors: bool = True) -> dict[str, Any]:
     """
     from .boundary.outputs import raw_results
     from .client.errors import make_error
-    from .client.requests import result_resolver
+    from .client.requests import decoded_results
 
-    raw = ((output.get("kv_transfer_params") or {}).get(codec.PAYLOAD_KEY) if isinstance(output, dict)
-           else raw_results(output))
-    # (a saved tracer.result: that part of this output; the JSON of an HTTP response keeps the path)
-    res = codec.decode_results(raw, None if isinstance(output, dict) else result_resolver(output))
+    if isinstance(output, dict):  # (the JSON of an HTTP response: a saved tracer.result keeps its path)
+        res = codec.decode_results((output.get("kv_transfer_params") or {}).get(codec.PAYLOAD_KEY))
+    else:  # (a saved tracer.result: that part of this output)
+        res = decoded_results(output, raw_results(output))[0]
     if res is None:
         return {}
     if res.error and raise_errors:

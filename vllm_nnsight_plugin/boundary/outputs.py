@@ -16,14 +16,20 @@ def raw_results(output: Any) -> Any:
     return (getattr(output, "kv_transfer_params", None) or {}).get(codec.PAYLOAD_KEY)
 
 
-def _saves_property(raw_of: Callable[[Any], Any], doc: str) -> property:
+def _saves_property(raw_of: Callable[[Any], Any], doc: str, whole_output: bool = False) -> property:
     """``.saves``, decoded from the raw results ``raw_of`` finds on the object (until
-    the client sets them: then those)."""
+    the client sets them: then those). ``whole_output``: the object is a request's
+    output, on which a saved ``tracer.result`` is taken."""
     def saves(self: Any) -> dict[str, Any]:
         cached = self.__dict__.get("_nnsight_saves")
         if cached is not None:
             return cached
-        res = codec.decode_results(raw_of(self))
+        if whole_output:
+            from ..client.requests import decoded_results
+
+            res = decoded_results(self, raw_of(self))[0]
+        else:
+            res = codec.decode_results(raw_of(self))
         return res.saves if res is not None else {}
 
     return property(saves, _set_saves, doc=doc)
@@ -51,7 +57,7 @@ def install_sequence_saves(completion_output_cls: type) -> None:
 
 def install_saves_property(request_output_cls: type) -> None:
     if "saves" not in request_output_cls.__dict__:
-        request_output_cls.saves = _saves_property(raw_results, "Values saved by nnsight interventions.")
+        request_output_cls.saves = _saves_property(raw_results, "Values saved by nnsight interventions.", True)
     if "ran_as" not in request_output_cls.__dict__:
         request_output_cls.ran_as = property(_ran_as, doc="How the request's interventions ran: 'batched', "
                                                           "or 'code: <file>:<line> (<why>)'; ';'-joined.")

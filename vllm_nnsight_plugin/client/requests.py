@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..payload import codec
+from ..payload import codec, spec
 
 
 def check_one_prompt(prompt: Any) -> None:
@@ -77,14 +77,38 @@ class _OneSequence:
 
 
 def result_resolver(output: Any) -> Any:
-    """``$result`` paths (a saved ``tracer.result``) resolved on ``output``."""
+    """``$result`` paths (a saved ``tracer.result``) resolved on ``output`` once it has
+    finished. A path a result op cannot hold (``payload.spec.check_result_path``: public
+    attribute names and keys only), or one this output lacks, stays as it came."""
     def resolve(path: list) -> Any:
+        steps = tuple(tuple(step) if isinstance(step, list) and len(step) == 2 else (None, None) for step in path) \
+            if isinstance(path, list) else None
+        if steps is None or not spec.check_result_path(steps) or not getattr(output, "finished", True):
+            return {"$result": path}
         value = output
-        for op, arg in path:
-            value = getattr(value, arg) if op == "attr" else value[arg]
+        try:
+            for op, arg in steps:
+                value = getattr(value, arg) if op == "attr" else value[arg]
+        except (LookupError, AttributeError, TypeError):
+            return {"$result": path}
         return value
 
     return resolve
+
+
+def decoded_results(output: Any, raw: Any) -> tuple[codec.Results | None, list[codec.Results | None] | None]:
+    """The output's raw results decoded, a saved ``tracer.result`` taken from the output
+    (each of ``n`` sequences' from its own completion); with ``n > 1`` also each
+    sequence's results, in sequence order (None for one that carried none)."""
+    each = codec.sequences_of(raw) if raw is not None else None
+    if each is None:
+        return codec.decode_results(raw, result_resolver(output)), None
+    decoded: list[codec.Results | None] = [None] * len(each)
+    for completion in getattr(output, "outputs", ()):  # (by index: choices in order, or not)
+        if completion.index < len(each):
+            decoded[completion.index] = codec.decode_results(
+                each[completion.index], result_resolver(_OneSequence(output, completion)))
+    return codec.merge_sequences(decoded), decoded
 
 
 def attach_results(output: Any) -> None:
@@ -94,21 +118,15 @@ def attach_results(output: Any) -> None:
     keeps each sequence's saves for the trace's shared containers."""
     from ..boundary.outputs import raw_results
 
-    raw = raw_results(output)
-    each = codec.sequences_of(raw) if raw is not None else None
-    if each is None:
-        res = codec.decode_results(raw, result_resolver(output))
+    res, decoded = decoded_results(output, raw_results(output))
+    if decoded is None:
         if res is not None and len(output.outputs) == 1:
             output.outputs[0].saves, output.outputs[0].nnsight_error = res.saves, res.error
     else:
-        decoded: list[codec.Results | None] = [None] * len(each)
-        for completion in output.outputs:  # (by index: choices in order, or not)
-            if completion.index < len(each):
-                one = codec.decode_results(each[completion.index], result_resolver(_OneSequence(output, completion)))
-                if one is not None:
-                    completion.saves, completion.nnsight_error = one.saves, one.error
-                decoded[completion.index] = one
-        res = codec.merge_sequences(decoded)
+        for completion in output.outputs:
+            one = decoded[completion.index] if completion.index < len(decoded) else None
+            if one is not None:
+                completion.saves, completion.nnsight_error = one.saves, one.error
         output.nnsight_sequence_saves = [r.saves if r is not None else {} for r in decoded]
     if res is None:
         return

@@ -39,7 +39,7 @@ MAX_VALUE_ITEMS = 1 << 18
 MAX_POSITIONS = 65536
 MAX_STEPS = 4096
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+_NAME = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # ("__...": the engine's own names)
 _MODULE = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
 _LOCATION = ("io", "index", "structure", "positions", "steps")
 # op -> (required fields, optional fields), as in the schema's $defs
@@ -363,8 +363,11 @@ def reads(env: dict[str, Any]) -> bool:
 
 def prefill_reads(env: dict[str, Any]) -> bool:
     """Something ships after the first step: a read at the prompt, or a saved
-    ``tracer.result`` (its path, which the client resolves on the finished output)."""
-    return any(op["op"] in READ_OPS and is_single(op) or op["op"] == RESULT for op in env["ops"])
+    ``tracer.result`` (its path, which the client resolves on the finished output) of
+    a plan without reads (whose saves nothing else ships: edits never report)."""
+    ops = env["ops"]
+    return any(op["op"] in READ_OPS and is_single(op) for op in ops) \
+        or (any(op["op"] == RESULT for op in ops) and not reads(env))
 
 
 def prompt_only(env: dict[str, Any]) -> bool:
