@@ -154,7 +154,7 @@ def test_a_saved_tracer_result_is_taken_from_each_sequence_and_only_along_a_vali
 
     ids = [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]
     bad = {"dunder": [["attr", "__class__"]], "call": [["call", "x"]], "missing": [["attr", "outputs"], ["item", 5]],
-           "shape": ["outputs"]}
+           "shape": ["outputs"], "own": [["attr", "saves"]]}  # (own: the results being decoded)
 
     def output(finished=True):
         saves = {"ids": {"$result": ids}, **{k: {"$result": v} for k, v in bad.items()}}
@@ -168,3 +168,22 @@ def test_a_saved_tracer_result_is_taken_from_each_sequence_and_only_along_a_vali
     for name, path in bad.items():
         assert out.saves[name] == [{"$result": path}] * 2, name
     assert results(output(finished=False))["ids"] == [{"$result": ids}] * 2
+
+
+def test_a_result_path_into_the_results_themselves_stays_a_path_on_a_vllm_output():
+    """``tracer.result.saves`` is the results being decoded: on vLLM's ``RequestOutput``
+    (whose ``.saves`` decodes them) it stays a path instead of decoding itself forever."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from vllm_nnsight_plugin import results
+    from vllm_nnsight_plugin.boundary.outputs import install_saves_property
+    from vllm_nnsight_plugin.payload import codec
+
+    install_saves_property(RequestOutput)
+    ids = [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]
+    raw = codec.results_of({"own": {"$result": [["attr", "saves"]]}, "ids": {"$result": ids}}, None, [], "batched")
+    out = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2], prompt_logprobs=None,
+                        outputs=[CompletionOutput(index=0, text="", token_ids=[5, 6], cumulative_logprob=None,
+                                                  logprobs=None)],
+                        finished=True, kv_transfer_params={codec.PAYLOAD_KEY: raw})
+    assert results(out) == out.saves == {"own": {"$result": [["attr", "saves"]]}, "ids": [5, 6]}

@@ -66,7 +66,9 @@ def results(output: Any, raise_errors: bool = True) -> dict[str, Any]:
     """The values an intervention saved on a ``RequestOutput`` (or OpenAI JSON dict).
 
     Raises :class:`InterventionError` when the block failed (unless
-    ``raise_errors=False``). Returns ``{}`` when the output carried no payload.
+    ``raise_errors=False``). Returns ``{}`` when the output carried no payload. A saved
+    ``tracer.result`` is taken from a finished ``RequestOutput``; in a JSON dict it stays
+    ``{"$result": path}``.
     """
     from .boundary.outputs import raw_results
     from .client.errors import make_error

@@ -16,7 +16,8 @@ measurement K batches of fresh prompts back to back; ``--pin`` gives each engine
 and ``--rotate`` moves the engines to the next engine's cores every round (an engine ran fastest on the cores
 it started on), and ``--both-baselines`` pairs each workload with the two stock engines in turn (the table
 then gives each baseline's rows and both pooled); ``--gc`` also times the garbage
-collector's pauses in each engine's front end and engine core. A second table gives each traced workload over its own
+collector's pauses in each engine's front end and its engine processes (engine core
+and workers, summed). A second table gives each traced workload over its own
 engine's untraced batch of the same round, a ratio with no stock engine in it.
 Output tokens are counted from the outputs; any request that ended in an error, or
 did not run as the batched plan, fails the run.

@@ -76,14 +76,22 @@ class _OneSequence:
         return getattr(self._output, name)
 
 
+# what the plugin puts on an output (the results being decoded): not part of the output vLLM made
+_OWN = frozenset({"saves", "nnsight_error", "nnsight_warnings", "nnsight_sequence_saves", "ran_as"})
+
+
 def result_resolver(output: Any) -> Any:
     """``$result`` paths (a saved ``tracer.result``) resolved on ``output`` once it has
-    finished. A path a result op cannot hold (``payload.spec.check_result_path``: public
-    attribute names and keys only), or one this output lacks, stays as it came."""
+    finished. A path a result op cannot hold (``payload.spec.check_result_path``:
+    attribute names not starting with ``_``, 32-bit integer or short string keys, at
+    most 16 steps), one into what the plugin puts on the output (``saves``: the results
+    being decoded), one this output lacks, or an unfinished output's, stays as it came:
+    ``{"$result": path}``."""
     def resolve(path: list) -> Any:
         steps = tuple(tuple(step) if isinstance(step, list) and len(step) == 2 else (None, None) for step in path) \
             if isinstance(path, list) else None
-        if steps is None or not spec.check_result_path(steps) or not getattr(output, "finished", True):
+        if steps is None or not spec.check_result_path(steps) or not getattr(output, "finished", True) \
+                or (steps and steps[0][1] in _OWN):
             return {"$result": path}
         value = output
         try:

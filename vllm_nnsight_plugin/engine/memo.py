@@ -11,7 +11,7 @@ V = TypeVar("V")
 
 
 class IdentityMemo(Generic[V]):
-    """``get(obj, compute)``: ``compute()``'s value, once per object. An entry holds its
+    """``get(obj, compute)``: ``compute()``'s value, once per object (and ``extra``). An entry holds its
     object, so an ``id`` reused by a new object never finds the old value. Bounded:
     emptied when full (callers hold a few objects at a time; a flood of new ones only
     computes again)."""

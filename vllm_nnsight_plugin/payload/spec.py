@@ -183,6 +183,8 @@ def _check_op(op: Any, i: int, max_width: int | None) -> None:
             raise PayloadError(f"invalid spec at {where}: unknown field {key!r:.80} for a {kind} op")
     c = _Op(op, where)
     if "name" in op:
+        if isinstance(op["name"], str) and op["name"].startswith("__"):
+            c.fail("name", f"{op['name'][:80]!r}: names starting with '__' are the engine's own")
         c.string("name", _NAME, 64)
     if "module" in op:
         c.string("module", _MODULE, 256)
@@ -325,7 +327,8 @@ def runs_batched(env: dict[str, Any]) -> bool:
 
 def engine_ops(env: dict[str, Any]) -> list[dict[str, Any]]:
     """The ops the engine runs: all but ``result`` ops (the client resolves those on
-    the finished output; the engine only ships their names)."""
+    the finished output; the engine ships each one's path under its name, as
+    ``{"$result": path}``)."""
     return [op for op in env["ops"] if op["op"] != RESULT]
 
 
@@ -371,5 +374,6 @@ def prefill_reads(env: dict[str, Any]) -> bool:
 
 
 def prompt_only(env: dict[str, Any]) -> bool:
-    """Only reads at the prompt: nothing is left to do after the first step."""
+    """Only reads at the prompt (``result`` ops aside: the client resolves them):
+    nothing is left to do after the first step."""
     return all(op["op"] in READ_OPS and is_single(op) for op in engine_ops(env))
