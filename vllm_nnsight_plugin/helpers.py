@@ -72,7 +72,7 @@ def results(output: Any, raise_errors: bool = True) -> dict[str, Any]:
     """
     from .boundary.outputs import raw_results
     from .client.errors import make_error
-    from .client.requests import decoded_results
+    from .client.result_paths import decoded_results
 
     if isinstance(output, dict):  # (the JSON of an HTTP response: a saved tracer.result keeps its path)
         res = codec.decode_results((output.get("kv_transfer_params") or {}).get(codec.PAYLOAD_KEY))

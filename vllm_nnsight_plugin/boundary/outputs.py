@@ -25,7 +25,7 @@ def _saves_property(raw_of: Callable[[Any], Any], doc: str, whole_output: bool =
         if cached is not None:
             return cached
         if whole_output:
-            from ..client.requests import decoded_results
+            from ..client.result_paths import decoded_results
 
             res = decoded_results(self, raw_of(self))[0]
         else:
