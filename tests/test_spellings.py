@@ -618,3 +618,19 @@ def test_tracer_result_saved_whole_in_part_or_alone_is_batched(llama, hf_llama):
     assert list(result.outputs[0].token_ids) == states["logits"][p - 1: p - 1 + STEPS].argmax(-1).tolist()
     p = len(outs[1].prompt_token_ids)
     assert_close(h, hf_states(hf_llama, list(outs[1].prompt_token_ids))["mlp2"][p - 1])
+
+
+def test_a_result_op_beside_an_op_that_runs_per_request(llama):
+    """A JSON spec whose ``logits_topk`` runs it per request (not batched) still takes
+    its saved ``tracer.result`` from the finished output."""
+    import json
+
+    spec = json.dumps({"v": 1, "kind": "spec", "ops": [
+        {"op": "logits_topk", "name": "top", "k": 2},
+        {"op": "result", "name": "ids", "path": [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]}]})
+    out = llama.vllm_entrypoint.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=STEPS,
+                                                                     ignore_eos=True, extra_args={"nnsight": spec}),
+                                         use_tqdm=False)[0]
+    saves = results(out)
+    assert out.ran_as.startswith("spec, per request") and set(saves) == {"top", "ids"}
+    assert list(saves["ids"]) == list(out.outputs[0].token_ids)

@@ -21,7 +21,7 @@ class AdmittedSpec(NamedTuple):
     expanded: dict[str, Any]  # its ops, caches expanded
     batched: dict[str, Any] | None  # as it runs batched for the request; None: per request
     facts: tuple  # (reads, prefill reads, prompt only, last step, replayable, edits) of ``batched``
-    results: tuple[tuple[str, tuple], ...] = ()  # its tracer.result saves: (name, path into the output)
+    results: tuple[tuple[str, tuple], ...]  # its tracer.result saves: (name, path into the output)
 
 
 class Admission:
@@ -166,12 +166,12 @@ class Admission:
         admitted = self._admitted_specs.get(env, lambda: self._admitted_spec(env, max_tokens, shared),
                                             max_tokens, keep=shared)
         session.source, session.filename, session.lineno = "__nnsight_run_spec__(model, tracer)", "<spec>", 1
+        for name, path in admitted.results:  # (batched or not: the client takes that part of the finished output)
+            session.namespace[name] = session.keep(ResultRef(path))
         if batch_index is not None and admitted.batched is not None:  # with every identical edit, no greenlet
             env = admitted.batched
             self.batched.add(session, env, batch_index, shared)
             cache.bind(session, env)
-            for name, path in admitted.results:  # (the client takes that part of the finished output)
-                session.namespace[name] = session.keep(ResultRef(path))
             session.batched = True
             (session.batched_reads, session.prefill_reads, session.prompt_only, session.last_step,
              session.replayable, session.edits) = admitted.facts
@@ -191,7 +191,8 @@ class Admission:
         session.namespace.update(
             model=self.root,
             tracer=self.tracer,
-            __nnsight_run_spec__=functools.partial(run_spec, ops=[op for op in env["ops"] if not op.get("late")],
+            __nnsight_run_spec__=functools.partial(run_spec, ops=[op for op in spec.engine_ops(env)
+                                                                  if not op.get("late")],
                                                    session=session, inter=self),
         )
 
@@ -206,10 +207,11 @@ class Admission:
         elif self.stages is not None:  # (caches reach the last stage's modules only: refuse_absent)
             env = {**env, "ops": [op for op in env["ops"] if op["op"] != "cache"]}
         expanded = self.batched.with_caches(env, self.expand_cache, shared)
+        results = tuple((op["name"], tuple(map(tuple, op["path"])))
+                        for op in expanded["ops"] if op["op"] == spec.RESULT)
         if not spec.runs_batched(expanded):
-            return AdmittedSpec(expanded, None, ())
+            return AdmittedSpec(expanded, None, (), results)
         batched = self.batched.for_request(expanded, max_tokens, shared)
-        results = tuple((op["name"], tuple(map(tuple, op["path"]))) for op in batched["ops"] if op["op"] == spec.RESULT)
         return AdmittedSpec(expanded, batched, (
             spec.reads(batched), spec.prefill_reads(batched), spec.prompt_only(batched), spec.last_step(batched),
             spec.replayable(batched), spec.edits(batched)), results)

@@ -14,7 +14,6 @@ import torch
 
 from ..payload import spec as specmod
 from . import arith
-from .envoy import ResultRef
 from .guards import check_writable
 
 if TYPE_CHECKING:
@@ -99,11 +98,7 @@ def run_spec(model: Any, tracer: Any, *, ops: list[dict[str, Any]], session: Req
              inter: Interleaver) -> None:
     """The body of a spec request's block."""
     ns = session.namespace
-    for op in ops:  # (tracer.result: the client takes that part of the finished output)
-        if op["op"] == specmod.RESULT:
-            ns[op["name"]] = session.keep(ResultRef(tuple(map(tuple, op["path"]))))
-    ops = [op for op in ops if op["op"] != specmod.RESULT]
-    if not ops:
+    if not ops:  # (a spec of result ops only: admission bound them)
         return
     plan = sorted(
         range(len(ops)),

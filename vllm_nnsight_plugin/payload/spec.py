@@ -39,7 +39,7 @@ MAX_VALUE_ITEMS = 1 << 18
 MAX_POSITIONS = 65536
 MAX_STEPS = 4096
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64")
-_NAME = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # ("__...": the engine's own names)
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # (not "__...": _check_op refuses the engine's own names)
 _MODULE = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
 _LOCATION = ("io", "index", "structure", "positions", "steps")
 # op -> (required fields, optional fields), as in the schema's $defs
@@ -219,32 +219,36 @@ def _check_op(op: Any, i: int, max_width: int | None) -> None:
         _check_result_path(c, op["path"])
 
 
+def _step_fits(kind: Any, arg: Any) -> bool:
+    """One step of a ``tracer.result`` path: an attribute name not starting with ``_``,
+    or a key: a 32-bit integer or a string of at most 64 characters."""
+    if kind == "attr":
+        return isinstance(arg, str) and _ATTR.fullmatch(arg) is not None
+    return kind == "item" and (type(arg) is int and -(1 << 31) <= arg < (1 << 31)
+                               or isinstance(arg, str) and len(arg) <= 64)
+
+
 def check_result_path(path: tuple) -> bool:
     """Whether a ``tracer.result`` path (``(("attr", name) | ("item", key), ...)``) fits
     a result op."""
-    return len(path) <= MAX_RESULT_PATH and all(
-        (kind == "attr" and isinstance(arg, str) and _ATTR.fullmatch(arg) is not None)
-        or (kind == "item" and (type(arg) is int and -(1 << 31) <= arg < (1 << 31)
-                                or isinstance(arg, str) and len(arg) <= 64))
-        for kind, arg in path)
+    return len(path) <= MAX_RESULT_PATH and all(_step_fits(kind, arg) for kind, arg in path)
 
 
 def _check_result_path(c: _Op, path: Any) -> None:
     """``[["attr", name] | ["item", int or str], ...]``: ``tracer.result.outputs[0].token_ids``
-    is ``[["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]``."""
+    is ``[["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]`` (an integral float
+    key becomes an integer)."""
     if not isinstance(path, list) or len(path) > MAX_RESULT_PATH:
         c.fail("path", f"must be a list of at most {MAX_RESULT_PATH} steps")
     for i, step in enumerate(path):
         if not isinstance(step, list) or len(step) != 2 or step[0] not in ("attr", "item"):
             c.fail(f"path[{i}]", 'must be ["attr", name] or ["item", key]')
         kind, arg = step
-        if kind == "attr" and not (isinstance(arg, str) and _ATTR.fullmatch(arg)):
-            c.fail(f"path[{i}]", f"{str(arg)[:80]!r} is not an attribute name ({_ATTR.pattern})")
-        if kind == "item":
-            if is_integer(arg) and -(1 << 31) <= arg < (1 << 31):
-                step[1] = int(arg)
-            elif not (isinstance(arg, str) and len(arg) <= 64):
-                c.fail(f"path[{i}]", f"{str(arg)[:80]!r} is not an integer or a string of at most 64 characters")
+        if kind == "item" and type(arg) is float and arg.is_integer():
+            step[1] = arg = int(arg)
+        if not _step_fits(kind, arg):
+            c.fail(f"path[{i}]", f"{str(arg)[:80]!r} is not an attribute name ({_ATTR.pattern})" if kind == "attr"
+                   else f"{str(arg)[:80]!r} is not an integer or a string of at most 64 characters")
 
 
 def _check_cache(c: _Op, op: dict[str, Any]) -> None:
