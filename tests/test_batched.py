@@ -109,6 +109,24 @@ def test_a_bad_batched_edit_ends_only_its_requests(llama):
     assert len(outs[1].outputs[0].token_ids) == 5
 
 
+def test_an_error_names_the_op_by_its_number_in_the_spec_as_sent(llama):
+    """The engine expands a cache into its reads and drops result ops; an error still
+    names ``ops[i]`` as the JSON numbers it, batched and per request alike."""
+    llm = llama.vllm_entrypoint
+    bad = {"op": "add", "module": "model.layers.1", "index": 0, "steps": "all", "value": [1.0] * 7}
+    first = [{"op": "cache", "name": "acts", "modules": ["model.layers.0", "model.layers.2"], "steps": "prefill"},
+             {"op": "result", "name": "r", "path": []}]
+    batched = json.dumps({"v": 1, "kind": "spec", "ops": [*first, bad]})
+    per_request = json.dumps({"v": 1, "kind": "spec", "ops": [*first, bad, {"op": "logits_topk", "name": "t", "k": 2}]})
+    # (with the cache as its reads, the first runs batched; logits_topk makes the second per request)
+    assert runs_batched({**json.loads(batched), "ops": [bad]}) and not runs_batched(json.loads(per_request))
+    outs = llm.generate(PROMPTS[:3], [_params(batched), _params(), _params(per_request)], use_tqdm=False)
+    for i in (0, 2):
+        with pytest.raises(InterventionError, match=r"ops\[2\] \(add model\.layers\.1"):
+            results(outs[i])
+    assert len(outs[1].outputs[0].token_ids) == 5
+
+
 # --- the interleaver's batched-edit bookkeeping, on a toy module (no engine needed) ---
 
 class _Layer(torch.nn.Module):

@@ -191,9 +191,9 @@ class Admission:
         session.namespace.update(
             model=self.root,
             tracer=self.tracer,
-            __nnsight_run_spec__=functools.partial(run_spec, ops=[op for op in spec.engine_ops(env)
-                                                                  if not op.get("late")],
-                                                   session=session, inter=self),
+            __nnsight_run_spec__=functools.partial(run_spec, ops=[
+                (number, op) for number, op in spec.numbered(env) if op["op"] != spec.RESULT and not op.get("late")],
+                session=session, inter=self),
         )
 
     def _admitted_spec(self, env: dict[str, Any], max_tokens: int | None, shared: bool) -> AdmittedSpec:
@@ -205,7 +205,7 @@ class Admission:
         if self.stages is not None and self.stages.last:
             guards.refuse_absent(env, self.absent, self.stages.carries)
         elif self.stages is not None:  # (caches reach the last stage's modules only: refuse_absent)
-            env = {**env, "ops": [op for op in env["ops"] if op["op"] != "cache"]}
+            env = spec.keeping(env, lambda op: op["op"] != "cache")
         expanded = self.batched.with_caches(env, self.expand_cache, shared)
         results = tuple((op["name"], tuple(map(tuple, op["path"])))
                         for op in expanded["ops"] if op["op"] == spec.RESULT)

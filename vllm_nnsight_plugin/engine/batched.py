@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..payload.spec import READ_OPS, RESULT, is_single
+from ..payload.spec import READ_OPS, RESULT, is_single, numbered
 from . import arith, lanes
 from .guards import check_writable
 from .host import host_copy, put_rows
@@ -102,7 +102,7 @@ class BatchedEdits(LanePlans):
         op, number) and this pipeline stage's exports; every op checked first."""
         stages = self.inter.stages
         row_logs, entries, exports = [], [], []
-        for number, op in enumerate(env["ops"]):
+        for number, op in numbered(env):
             if op["op"] == RESULT:  # (nothing to run: admission binds its name)
                 continue
             role = stages.role(op) if stages is not None else "run"
@@ -135,15 +135,18 @@ class BatchedEdits(LanePlans):
     @staticmethod
     def _expand(env: dict[str, Any], expand: Any) -> dict[str, Any]:
         ops: list[dict[str, Any]] = []
+        numbers: list[int] = []  # (each op's number in the spec as sent: a cache's reads take the cache's)
         caches = []
-        for op in env["ops"]:
+        for number, op in numbered(env):
             if op["op"] != "cache":
                 ops.append(op)
+                numbers.append(number)
                 continue
             expansion = expand(op)
             caches.append(expansion)
             ops.extend(expansion.reads)
-        return {**env, "ops": ops, "caches": caches}
+            numbers.extend([number] * len(expansion.reads))
+        return {**env, "ops": ops, "caches": caches, "numbers": numbers}
 
     def for_request(self, env: dict[str, Any], max_tokens: int | None, shared: bool = True) -> dict[str, Any]:
         """The spec as it runs for a request of ``max_tokens`` steps: an op whose

@@ -94,47 +94,47 @@ def _apply(inter: Interleaver, session: RequestSession, op: dict[str, Any], out:
         value[rows] = arith.apply(kind, value[rows], operand, op.get("factor", 1.0))
 
 
-def run_spec(model: Any, tracer: Any, *, ops: list[dict[str, Any]], session: RequestSession,
+def run_spec(model: Any, tracer: Any, *, ops: list[tuple[int, dict[str, Any]]], session: RequestSession,
              inter: Interleaver) -> None:
-    """The body of a spec request's block."""
+    """The body of a spec request's block; ``ops``: each with its number in the spec as
+    sent (:func:`..payload.spec.numbered`: what an error names)."""
     ns = session.namespace
     if not ops:  # (a spec of result ops only: admission bound them)
         return
     plan = sorted(
-        range(len(ops)),
-        key=lambda i: (
-            float("inf") if ops[i]["op"] == "logits_topk" else inter.module_rank(ops[i]["module"]),
-            0 if ops[i].get("io") == "input" else 1,
-            i,
+        ops,
+        key=lambda numbered: (
+            float("inf") if numbered[1]["op"] == "logits_topk" else inter.module_rank(numbered[1]["module"]),
+            0 if numbered[1].get("io") == "input" else 1,
+            numbered[0],
         ),
     )
-    filters = {i: specmod.step_filter(ops[i].get("steps")) for i in plan}
-    open_ended = any(f.generated for f in filters.values())
-    last = None if open_ended else max(f.last for f in filters.values())
-    for i in plan:
-        if "name" in ops[i] and not specmod.is_single(ops[i]):
-            ns[ops[i]["name"]] = session.save([])
+    filters = [specmod.step_filter(op.get("steps")) for _, op in plan]
+    open_ended = any(f.generated for f in filters)
+    last = None if open_ended else max(f.last for f in filters)
+    for _, op in plan:
+        if "name" in op and not specmod.is_single(op):
+            ns[op["name"]] = session.save([])
     steps = tracer.all() if open_ended else tracer.iter[: last + 1]
     for step in steps:
-        for i in plan:
-            f = filters[i]
+        for (number, op), f in zip(plan, filters):
             if not ((f.explicit is not None and step in f.explicit) or (f.generated and step >= 1)
-                    or (ops[i].get("steps") == "all")):
+                    or (op.get("steps") == "all")):
                 continue
             out: dict[str, Any] = {}
             try:
-                _apply(inter, session, ops[i], out)
+                _apply(inter, session, op, out)
             except Exception as exc:  # noqa: BLE001 - name the operation that failed
-                msg = f"ops[{i}] ({ops[i]['op']} {ops[i].get('module', 'logits')}): {exc}"
+                msg = f"ops[{number}] ({op['op']} {op.get('module', 'logits')}): {exc}"
                 try:
                     named = type(exc)(msg)
                 except Exception:  # noqa: BLE001 - exception types with other signatures
                     named = RuntimeError(msg)
                 raise named from None
-            name = ops[i].get("name")
+            name = op.get("name")
             if name is None:
                 continue
-            if specmod.is_single(ops[i]):
+            if specmod.is_single(op):
                 ns[name] = session.save(out["value"])
             else:
                 ns[name].append(out["value"])

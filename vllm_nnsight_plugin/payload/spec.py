@@ -336,6 +336,20 @@ def engine_ops(env: dict[str, Any]) -> list[dict[str, Any]]:
     return [op for op in env["ops"] if op["op"] != RESULT]
 
 
+def numbered(env: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """The spec's ops with each one's number in the spec as sent (``ops[i]`` in an
+    error): the engine's copy may have dropped ops or expanded a cache into its reads
+    (which carry the cache's number), and keeps the numbers under ``"numbers"``."""
+    numbers = env.get("numbers")
+    return list(zip(range(len(env["ops"])) if numbers is None else numbers, env["ops"]))
+
+
+def keeping(env: dict[str, Any], keep: Any) -> dict[str, Any]:
+    """The spec with only the ops ``keep(op)`` holds for, each keeping its number."""
+    kept = [(n, op) for n, op in numbered(env) if keep(op)]
+    return {**env, "ops": [op for _, op in kept], "numbers": [n for n, _ in kept]}
+
+
 def replayable(env: dict[str, Any]) -> bool:
     """Edits only, of whole rows at every step: a recomputed forward, a split prompt or
     a prefix-cache hit computed under the same edits gets them again, row by row."""
