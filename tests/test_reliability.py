@@ -6,6 +6,7 @@ with the reason, and the schema and the validator agree."""
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import os
 import random
@@ -85,6 +86,24 @@ def test_without_the_table_the_worker_refuses_them_and_others_go_on(llama, monke
         with pytest.raises(InterventionError, match="integer tensor"):
             results(outs[0])
         _assert_same([outs[1]], [reference[1]])
+
+
+def test_each_engine_checks_payloads_with_its_own_module_table(llama, monkeypatch):
+    """Two engines of one model in a process (here a second config object, as another
+    engine has) keep their tables apart: one whose earlier pipeline stage holds layer 0
+    refuses a cache of it; this engine still takes it."""
+    monkeypatch.setattr(frontend, "MODULE_TABLES", {})
+    llm = llama.vllm_entrypoint
+    config = llm.llm_engine.vllm_config
+    frontend.learn_module_table(config, llm.collective_rpc("nnsight_module_table"))
+    other = copy.copy(config)
+    frontend.learn_module_table(other, [{"integer_inputs": [], "absent": ["model.layers.0"]}])
+    cache = json.dumps({"v": 1, "kind": "spec", "ops": [{"op": "cache", "name": "c", "modules": ["model.layers.0"]}]})
+    with pytest.raises(codec.PayloadError, match="earlier pipeline stage"):
+        frontend.check_payload(cache, None, other)
+    assert frontend.check_payload(cache, None, config)["ops"][0]["op"] == "cache"
+    out = llm.generate(PROMPTS[:1], [SamplingParams(max_tokens=2, extra_args={"nnsight": cache})], use_tqdm=False)
+    assert results(out[0])["c"].keys() == ["model.model.layers.0"]
 
 
 def test_a_write_to_an_integer_tensor_is_refused_at_the_write():
@@ -298,7 +317,7 @@ def test_where_freed_blocks_cannot_be_zeroed_edits_are_refused_and_reads_run(lla
     reference = llm.generate(PROMPTS[:2], [_plain(4)] * 2, use_tqdm=False)
     before = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)
     config = llm.llm_engine.vllm_config
-    tables = dict(frontend.MODULE_TABLES)  # (shared by every engine of this path in the process)
+    tables = dict(frontend.MODULE_TABLES)
     llm.collective_rpc(_kv_zeroing_lost)
     try:
         outs = llm.generate(PROMPTS[:1] * 3 + PROMPTS[1:2], batch, use_tqdm=False)

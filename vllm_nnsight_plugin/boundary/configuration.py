@@ -93,11 +93,6 @@ def build_model(vllm_config: Any) -> Any:
     return initialize_model(vllm_config=vllm_config)
 
 
-def model_key(vllm_config: Any) -> str:
-    """What identifies the served model's module tree: its path or hub id."""
-    return str(getattr(getattr(vllm_config, "model_config", None), "model", ""))
-
-
 def llm_config(llm: Any) -> Any:
     """The VllmConfig of a ``vllm.LLM`` or an ``AsyncLLM``."""
     return getattr(llm, "llm_engine", llm).vllm_config

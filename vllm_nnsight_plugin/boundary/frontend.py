@@ -48,9 +48,11 @@ class ModuleTable(NamedTuple):
     edits_refused: str | None = None  # why edits are refused (KV blocks not zeroed: kv_zeroing.refusal)
 
 
-# Per served model (its path), known once a server or VLLM client asked the engine
-# (learn_module_table); until then the worker refuses such edits at admission.
-MODULE_TABLES: dict[str, ModuleTable] = {}
+# Per engine (its VllmConfig, the one object its front end, its client and the server
+# share), known once a server or VLLM client asked the engine (learn_module_table); until
+# then the worker refuses such edits at admission. Two engines of one model differ where
+# their stages or KV layouts do: keyed by the config object, held with its table.
+MODULE_TABLES: dict[int, tuple[Any, ModuleTable]] = {}
 
 
 def learn_module_table(vllm_config: Any, tables: list[dict[str, Any]]) -> None:
@@ -58,14 +60,20 @@ def learn_module_table(vllm_config: Any, tables: list[dict[str, Any]]) -> None:
     pipeline stage's, the one traces run in."""
     last = tables[-1]
     refused = next((t["edits_refused"] for t in tables if t.get("edits_refused")), None)  # (any worker's)
-    MODULE_TABLES[configuration.model_key(vllm_config)] = ModuleTable(
-        frozenset(last["integer_inputs"]), frozenset(last.get("absent", ())), refused)
+    MODULE_TABLES[id(vllm_config)] = (vllm_config, ModuleTable(
+        frozenset(last["integer_inputs"]), frozenset(last.get("absent", ())), refused))
+
+
+def module_table(vllm_config: Any) -> ModuleTable | None:
+    """The table learned for this engine (None: not asked yet, or no config)."""
+    held = MODULE_TABLES.get(id(vllm_config)) if vllm_config is not None else None
+    return held[1] if held is not None and held[0] is vllm_config else None
 
 
 async def ensure_module_table(engine_client: Any) -> None:
     """Ask the engine for its module table once (an API server's first traced request)."""
     config = getattr(engine_client, "vllm_config", None)
-    if config is not None and configuration.model_key(config) not in MODULE_TABLES:
+    if config is not None and module_table(config) is None:
         learn_module_table(config, await engine_client.collective_rpc("nnsight_module_table"))
 
 
@@ -89,7 +97,7 @@ def _check_payload(raw: Any, params: Any, vllm_config: Any, origin: str) -> dict
     if reason:
         raise codec.PayloadError(reason)
     check_sequences(params)
-    table = MODULE_TABLES.get(configuration.model_key(vllm_config)) if vllm_config is not None else None
+    table = module_table(vllm_config)
     if table is not None:
         guards.refuse_integer_writes(env, table.integer_inputs)
         guards.refuse_absent(env, table.absent, carried=parallel.stages_carry(vllm_config))
@@ -127,7 +135,7 @@ def refuse_installing(env: dict[str, Any], vllm_config: Any) -> None:
             "--data-parallel-size N starts N by default): each would keep its own list of edits, and requests "
             "through the others would share prefix-cache blocks with edited ones. Start the server with "
             "--api-server-count 1 to install edits; traced requests work either way")
-    table = MODULE_TABLES.get(configuration.model_key(vllm_config))
+    table = module_table(vllm_config)
     if table is not None and table.edits_refused and spec.may_edit(env):
         raise codec.PayloadError(table.edits_refused)
 
