@@ -104,6 +104,8 @@ def test_each_engine_checks_payloads_with_its_own_module_table(llama, monkeypatc
     assert frontend.check_payload(cache, None, config)["ops"][0]["op"] == "cache"
     out = llm.generate(PROMPTS[:1], [SamplingParams(max_tokens=2, extra_args={"nnsight": cache})], use_tqdm=False)
     assert results(out[0])["c"].keys() == ["model.model.layers.0"]
+    del other  # (a table does not keep its engine's config alive: the config reaches the engine's layers)
+    assert list(frontend.MODULE_TABLES) == [id(config)]
 
 
 def test_a_write_to_an_integer_tensor_is_refused_at_the_write():

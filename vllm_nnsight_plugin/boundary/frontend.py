@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -51,8 +52,9 @@ class ModuleTable(NamedTuple):
 # Per engine (its VllmConfig, the one object its front end, its client and the server
 # share), known once a server or VLLM client asked the engine (learn_module_table); until
 # then the worker refuses such edits at admission. Two engines of one model differ where
-# their stages or KV layouts do: keyed by the config object, held with its table.
-MODULE_TABLES: dict[int, tuple[Any, ModuleTable]] = {}
+# their stages or KV layouts do: keyed by the config object, which the entry refers to
+# weakly (the config reaches the engine's layers: a shut-down engine's entry goes with it).
+MODULE_TABLES: dict[int, tuple[weakref.ref, ModuleTable]] = {}
 
 
 def learn_module_table(vllm_config: Any, tables: list[dict[str, Any]]) -> None:
@@ -60,14 +62,15 @@ def learn_module_table(vllm_config: Any, tables: list[dict[str, Any]]) -> None:
     pipeline stage's, the one traces run in."""
     last = tables[-1]
     refused = next((t["edits_refused"] for t in tables if t.get("edits_refused")), None)  # (any worker's)
-    MODULE_TABLES[id(vllm_config)] = (vllm_config, ModuleTable(
+    key = id(vllm_config)
+    MODULE_TABLES[key] = (weakref.ref(vllm_config, lambda _: MODULE_TABLES.pop(key, None)), ModuleTable(
         frozenset(last["integer_inputs"]), frozenset(last.get("absent", ())), refused))
 
 
 def module_table(vllm_config: Any) -> ModuleTable | None:
     """The table learned for this engine (None: not asked yet, or no config)."""
     held = MODULE_TABLES.get(id(vllm_config)) if vllm_config is not None else None
-    return held[1] if held is not None and held[0] is vllm_config else None
+    return held[1] if held is not None and held[0]() is vllm_config else None
 
 
 async def ensure_module_table(engine_client: Any) -> None:

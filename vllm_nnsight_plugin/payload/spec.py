@@ -341,7 +341,7 @@ def numbered(env: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
     error): the engine's copy may have dropped ops or expanded a cache into its reads
     (which carry the cache's number), and keeps the numbers under ``"numbers"``."""
     numbers = env.get("numbers")
-    return list(zip(range(len(env["ops"])) if numbers is None else numbers, env["ops"]))
+    return list(zip(range(len(env["ops"])) if numbers is None else numbers, env["ops"], strict=True))
 
 
 def keeping(env: dict[str, Any], keep: Any) -> dict[str, Any]:
