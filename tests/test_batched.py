@@ -127,6 +127,22 @@ def test_an_error_names_the_op_by_its_number_in_the_spec_as_sent(llama):
     assert len(outs[1].outputs[0].token_ids) == 5
 
 
+def test_a_logits_read_runs_per_request_as_it_runs_batched(llama):
+    """Beside a ``logits_topk`` the spec runs per request: its ``logits`` read gives
+    each step's row as the batched read does."""
+    llm = llama.vllm_entrypoint
+    logits = {"op": "logits", "name": "l", "steps": "all"}
+    batched = json.dumps({"v": 1, "kind": "spec", "ops": [logits]})
+    per_request = json.dumps({"v": 1, "kind": "spec", "ops": [logits, {"op": "logits_topk", "name": "t", "k": 2}]})
+    outs = llm.generate(PROMPTS[:1] * 2, [_params(batched), _params(per_request)], use_tqdm=False)
+    assert [o.ran_as for o in outs] == ["batched", "spec, per request"]
+    one, other = results(outs[0]), results(outs[1])
+    assert len(one["l"]) == len(other["l"]) == 5
+    for a, b in zip(one["l"], other["l"]):
+        assert a.shape == b.shape == (1, a.shape[-1]) and torch.allclose(a, b, atol=1e-5)
+    assert other["t"]["ids"].tolist() == other["l"][0][0].topk(2).indices.tolist()
+
+
 # --- the interleaver's batched-edit bookkeeping, on a toy module (no engine needed) ---
 
 class _Layer(torch.nn.Module):

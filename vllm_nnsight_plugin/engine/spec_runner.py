@@ -77,6 +77,9 @@ def _apply(inter: Interleaver, session: RequestSession, op: dict[str, Any], out:
         vals, ids = inter.root.logits[0].float().topk(op["k"])
         out["value"] = {"values": vals.clone(), "ids": ids.clone()}
         return
+    if kind == "logits":  # (the request's row, as the batched read gives it)
+        out["value"] = session.save(inter.root.logits)
+        return
     value = _location(inter, op)
     if kind == "read":
         if isinstance(value, torch.Tensor) and op.get("positions") is not None:
@@ -104,7 +107,7 @@ def run_spec(model: Any, tracer: Any, *, ops: list[tuple[int, dict[str, Any]]], 
     plan = sorted(
         ops,
         key=lambda numbered: (
-            float("inf") if numbered[1]["op"] == "logits_topk" else inter.module_rank(numbered[1]["module"]),
+            inter.module_rank(numbered[1]["module"]) if "module" in numbered[1] else float("inf"),  # (logits last)
             0 if numbered[1].get("io") == "input" else 1,
             numbered[0],
         ),
