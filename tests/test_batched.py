@@ -143,6 +143,57 @@ def test_a_logits_read_runs_per_request_as_it_runs_batched(llama):
     assert other["t"]["ids"].tolist() == other["l"][0][0].topk(2).indices.tolist()
 
 
+_EVERY_KIND = [
+    {"op": "read", "name": "r", "module": "model.layers.1", "index": 0},
+    {"op": "read", "name": "r", "module": "model.layers.1", "sum": True, "positions": [-1], "steps": "all"},
+    {"op": "read", "name": "r", "module": "model.layers.2.mlp", "io": "input", "positions": 0, "steps": [0, 2]},
+    {"op": "logits", "name": "r", "steps": "generated"},
+    {"op": "add", "module": "model.layers.1", "index": 0, "value": [0.5] * 128, "steps": "all"},
+    {"op": "set", "module": "model.layers.1.mlp", "value": [0.25] * 128, "positions": [-1], "steps": "all"},
+    {"op": "scale", "module": "model.layers.0", "index": 0, "factor": 3.0, "steps": [1, 2]},
+    {"op": "zero", "module": "model.layers.2.mlp", "steps": "prefill"},
+    {"op": "cache", "name": "r", "modules": ["model.layers.1", "model.layers.3.mlp"]},
+    {"op": "result", "name": "r", "path": [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]},
+]
+
+
+@pytest.mark.parametrize("op", _EVERY_KIND, ids=lambda op: op["op"])
+def test_every_op_runs_per_request_as_it_runs_batched(llama, op):
+    """The same op batched, and per request (a ``logits_topk`` beside it): the same
+    tokens, logprobs and saves."""
+    llm = llama.vllm_entrypoint
+    batched = json.dumps({"v": 1, "kind": "spec", "ops": [op]})
+    per_request = json.dumps({"v": 1, "kind": "spec", "ops": [op, {"op": "logits_topk", "name": "t", "k": 2}]})
+    outs = llm.generate(PROMPTS[:2] * 2, [_params(batched)] * 2 + [_params(per_request)] * 2, use_tqdm=False)
+    assert [o.ran_as for o in outs] == ["batched"] * 2 + ["spec, per request"] * 2
+    for one, other in zip(outs[:2], outs[2:]):
+        assert list(one.outputs[0].token_ids) == list(other.outputs[0].token_ids)
+        for step_a, step_b in zip(one.outputs[0].logprobs, other.outputs[0].logprobs, strict=True):
+            assert all(abs(step_a[t].logprob - step_b[t].logprob) <= 1e-4 for t in step_a)
+        saved_a, saved_b = results(one), results(other)
+        assert saved_b.pop("t") and saved_a.keys() == saved_b.keys()
+        for name in saved_a:
+            _assert_same_saves(saved_a[name], saved_b[name])
+
+
+def _assert_same_saves(a, b) -> None:
+    if hasattr(a, "keys") and callable(a.keys) and not isinstance(a, dict):  # a module cache
+        assert a.keys() == b.keys()
+        for key in a.keys():
+            for part in ("input", "output"):
+                _assert_same_saves(getattr(a[key], part, None), getattr(b[key], part, None))
+        return
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same_saves(x, y)
+        return
+    if isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4), (a, b)
+        return
+    assert a == b
+
+
 # --- the interleaver's batched-edit bookkeeping, on a toy module (no engine needed) ---
 
 class _Layer(torch.nn.Module):
