@@ -6,7 +6,10 @@ guard's host time per step is what steering pays for it. This times ``FiniteLogi
 .check`` alone on the headline's logits (rows x 32000, every row guarded, or half of
 them through an index), each way, many steps back to back with the device left to run
 behind (as in the engine: nothing waits for the device), and the device time of one
-step each way.
+step each way, and what each check leaves to Python's garbage collector (the engine
+core's collector paused more per steering batch than per untraced one: run L of the
+README): the net GC-tracked objects per check (what counts toward a young
+collection) and the objects of reference cycles it left (freed only by a collection).
 
     python3 benchmarks/gpu/guard_bench.py [--rows 64,256,512] [--vocab 32000] [--steps 500] [--dtype bfloat16]
 """
@@ -14,6 +17,7 @@ step each way.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from typing import Any
 
@@ -33,6 +37,34 @@ def host_us(guard: Any, logits: torch.Tensor, index: torch.Tensor | None, req_id
     guard.detach()
     times.sort()
     return times[len(times) // 2] * 1e6
+
+
+def garbage_per_step(guard: Any, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str],
+                     steps: int) -> tuple[float, float]:
+    """Per check, with the collector off: the net GC-tracked objects allocated, and the
+    objects of the reference cycles left behind (found by one collection after)."""
+    torch.cuda.synchronize()
+    gc.collect()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        for n in range(steps):
+            guard.check(logits, index, req_ids)
+            if n % 8 == 7:
+                guard.detach()()
+        rest = guard.detach()
+        if rest is not None:
+            rest()
+        torch.cuda.synchronize()
+        net = gc.get_count()[0] - before
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = len(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    return net / steps, cyclic / steps
 
 
 def device_us(guard: Any, logits: torch.Tensor, index: torch.Tensor | None, req_ids: list[str]) -> float:
@@ -61,8 +93,9 @@ def main() -> None:
     from vllm_nnsight_plugin.engine import finite_logits, guard_kernel
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, logits {args.dtype}")
-    print("| rows | guarded | guard as | host µs per step (median) | device µs per step |")
-    print("|---:|---|---|---:|---:|")
+    print("| rows | guarded | guard as | host µs per step (median) | device µs per step | "
+          "net GC-tracked objects per step | objects in cycles left per step |")
+    print("|---:|---|---|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
         logits = torch.randn(rows, args.vocab, device="cuda").to(getattr(torch, args.dtype))
         for guarded, index in (("all", None), ("half", torch.arange(0, rows, 2, device="cuda"))):
@@ -72,16 +105,18 @@ def main() -> None:
                 if way == "torch ops":
                     guard._fused = lambda _logits: False  # (this instance only)
                 elif not guard_kernel.usable(logits.device, logits.dtype, logits.shape[1]):
-                    print(f"| {rows} | {guarded} | kernel | not usable here | – |")
+                    print(f"| {rows} | {guarded} | kernel | not usable here | – | – | – |")
                     continue
                 guard_kernel.DIRECT = way != "kernel through the JIT"  # (the JIT binds the arguments every launch)
                 try:
                     host_us(guard, logits, index, req_ids, 50)  # (warm: builds, buffers)
                     host = host_us(guard, logits, index, req_ids, args.steps)
                     device = device_us(guard, logits, index, req_ids)
+                    net, cyclic = garbage_per_step(guard, logits, index, req_ids, args.steps)
                 finally:
                     guard_kernel.DIRECT = True
-                print(f"| {rows} | {guarded} | {way} | {host:.1f} | {device:.1f} |", flush=True)
+                print(f"| {rows} | {guarded} | {way} | {host:.1f} | {device:.1f} | {net:.1f} | {cyclic:.1f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":
