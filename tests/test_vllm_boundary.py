@@ -236,6 +236,34 @@ def test_late_results_ride_the_output_vllm_takes():
     assert runners.take_results(quiet) is None
 
 
+def test_an_output_with_late_results_is_freed_without_the_collector():
+    """The wrapper of an asynchronous output's ``get_output`` does not hold the output:
+    each step's output (its token lists, its device tensors) goes when vLLM drops it,
+    not at Python's next collection (a cycle per step made a steering batch's engine
+    core collect about three times as often)."""
+    import gc
+    import weakref
+
+    from conftest import pending_output
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from vllm_nnsight_plugin.boundary import runners
+
+    late = {"a": {"error": {"message": "late a"}}}
+    gc.disable()
+    try:
+        for take in (False, True):
+            pending = pending_output(ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}))
+            runners.attach_late_results(pending, lambda: late)
+            if take:
+                assert runners.take_results(pending.get_output()) == late
+            gone = weakref.ref(pending)
+            del pending
+            assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_an_error_in_the_engine_cores_store_outlives_later_steps_entries():
     """A step's output may carry a request's error (read late, after the step) while the
     request takes no token in that step, so vLLM does not stop it there; the worker's

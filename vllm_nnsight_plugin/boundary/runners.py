@@ -5,6 +5,7 @@ requests and rows, which requests may finish, where results ride the runner outp
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -260,7 +261,19 @@ def attach_late_results(runner_output: Any, late: Callable[[], dict]) -> None:
     get_output = getattr(runner_output, "get_output", None)
     if get_output is None:
         merge(runner_output)
-    else:  # (on this instance only; vLLM may call it from its output thread)
+        return
+    # (on this instance only; vLLM may call it from its output thread.) The wrapper must
+    # not hold the output: the output holding it would make a cycle, and every step's
+    # output (its token lists, pinned buffers) would wait for Python's collector, a
+    # young collection every few steps
+    method = getattr(get_output, "__func__", None)
+    try:
+        owner = weakref.ref(runner_output) if getattr(get_output, "__self__", None) is runner_output else None
+    except TypeError:  # (an output type without weak references: the cycle, left to the collector)
+        owner = None
+    if method is not None and owner is not None:
+        runner_output.get_output = lambda: merge(method(owner()))
+    else:
         runner_output.get_output = lambda: merge(get_output())
 
 
