@@ -148,6 +148,30 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
     assert diff <= tol, f"max abs diff {diff} > {tol}"
 
 
+def assert_same(a, b, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Two saved values equal through their structure (dicts, lists, tuples, a module
+    cache's modules and their inputs and outputs); tensors of one dtype and shape, bit
+    for bit unless a tolerance is given (then ``torch.allclose`` with it)."""
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.equal(a, b) if not (rtol or atol) else torch.allclose(a, b, rtol=rtol, atol=atol), (a, b)
+    elif isinstance(a, dict):
+        assert sorted(a) == sorted(b)
+        for name in a:
+            assert_same(a[name], b[name], rtol, atol)
+    elif callable(getattr(a, "keys", None)):  # a module cache (results' CacheView)
+        assert a.keys() == b.keys()
+        for key in a.keys():
+            for part in ("input", "output"):
+                assert_same(getattr(a[key], part), getattr(b[key], part), rtol, atol)
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y, rtol, atol)
+    else:
+        assert a == b, (a, b)
+
+
 def generate_together(llm, prompts: list, params) -> list:
     """``llm.generate(prompts, params)`` whose requests all reach the scheduler before its
     first step: the scheduler is paused (vLLM's ``pause_scheduler("keep")``, which also

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import generate_together
+from conftest import assert_same, generate_together
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, make_payload, results
@@ -171,27 +171,8 @@ def test_every_op_runs_per_request_as_it_runs_batched(llama, op):
         for step_a, step_b in zip(one.outputs[0].logprobs, other.outputs[0].logprobs, strict=True):
             assert all(abs(step_a[t].logprob - step_b[t].logprob) <= 1e-4 for t in step_a)
         saved_a, saved_b = results(one), results(other)
-        assert saved_b.pop("t") and saved_a.keys() == saved_b.keys()
-        for name in saved_a:
-            _assert_same_saves(saved_a[name], saved_b[name])
-
-
-def _assert_same_saves(a, b) -> None:
-    if hasattr(a, "keys") and callable(a.keys) and not isinstance(a, dict):  # a module cache
-        assert a.keys() == b.keys()
-        for key in a.keys():
-            for part in ("input", "output"):
-                _assert_same_saves(getattr(a[key], part, None), getattr(b[key], part, None))
-        return
-    if isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_same_saves(x, y)
-        return
-    if isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4), (a, b)
-        return
-    assert a == b
+        assert saved_b.pop("t")
+        assert_same(saved_a, saved_b, rtol=1e-5, atol=1e-4)
 
 
 # --- the interleaver's batched-edit bookkeeping, on a toy module (no engine needed) ---

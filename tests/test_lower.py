@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HFRun, assert_close, generate_together
+from conftest import HFRun, assert_close, assert_same, generate_together
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import InterventionError, make_payload, results
@@ -77,21 +77,6 @@ def _lowered(llm) -> int:
     return llm.collective_rpc("nnsight_lane_stats")[0]["lowered"]
 
 
-def _same(a, b, tol: float = 0.0) -> None:
-    """Equal bit for bit (``tol``: up to that relative difference)."""
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b) if not tol else torch.allclose(a, b, rtol=tol, atol=tol)
-    elif isinstance(a, dict):
-        assert sorted(a) == sorted(b)
-        for name in a:
-            _same(a[name], b[name], tol)
-    else:
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y, tol)
-
-
 @pytest.mark.parametrize("block", [read_prompt, read_every_step, steer_and_read])
 def test_a_lowered_block_gives_exactly_what_the_block_gives(llama, block):
     """Each prompt twice in one batch, the halves in the same steps: lowered and as code.
@@ -110,7 +95,8 @@ def test_a_lowered_block_gives_exactly_what_the_block_gives(llama, block):
         assert sorted(saved) == sorted(as_code) and saved
         # (on a GPU the spec's edit kernels may round the last bits unlike the block's
         # Python edit; on the CPU they agree bit for bit)
-        _same(saved, as_code, tol=1e-5 if torch.cuda.is_available() else 0.0)
+        tol = 1e-5 if torch.cuda.is_available() else 0.0
+        assert_same(saved, as_code, rtol=tol, atol=tol)
 
 
 def test_lowered_blocks_match_hugging_face(llama, hf_llama):
