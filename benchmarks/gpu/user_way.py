@@ -437,10 +437,18 @@ def main() -> None:
         rnd += 1
         print(f"round {rnd}: " + ", ".join(f"{k} " + "/".join(f"{p['ratio']:.2f}" for p in v)
                                                 for k, v in pairs.items()), flush=True)
-    for proc, _ in procs.values():
+    report(rounds, args, out_dir)
+    for proc, _ in procs.values():  # (after the report: a slow shutdown must not cost the numbers)
         proc.stdin.close()
-        proc.wait(timeout=120)
+    for proc, _ in procs.values():
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
+
+def report(rounds: list[dict[str, list[dict]]], args: Any, out_dir: str) -> None:
+    """Prints the tables and writes user_way.json."""
     table = {}
     for k in pair_keys(rounds):
         pairs_k = pairs_for(rounds, k)
