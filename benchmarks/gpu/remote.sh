@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/remote.sh user_way [--seconds S] [--pin] [--tensor-parallel-size N]   one trace, 256 invokes, default settings + taps
 #   bash benchmarks/gpu/remote.sh profile [--taps] [--v1] [every_token_spec ...]
 #   bash benchmarks/gpu/remote.sh spy [--workloads a,b] [--seconds S]   py-spy of vLLM's processes, user's way
+#   bash benchmarks/gpu/remote.sh untraced [--kinds a,b] [--reps N]   untraced traffic counted per engine kind
 #   bash benchmarks/gpu/remote.sh gather [--batches N]   the worker's every-token gather alone
 #   bash benchmarks/gpu/remote.sh anchors     nnsight 0.8.1 taps (anchor harness) + stock graphs
 #   bash benchmarks/gpu/remote.sh stage       only stage (then STAGED=1 for runs side by side)
@@ -66,6 +67,8 @@ case "$what" in
     # the cores' NUMA nodes (where an engine is pinned moves its speed: README, Method)
     { lscpu 2>/dev/null | grep -iE "^(CPU\(s\)|Model name|NUMA)" || true; } | tee "$OUT/user_way.log"
     OUT="$OUT" python3 benchmarks/gpu/user_way.py "$@" 2>&1 | tee -a "$OUT/user_way.log" ;;
+  untraced)  # untraced [--kinds ...] [--reps N]: stock, loaded, taps, nolanes counted side by side
+    python3 benchmarks/gpu/untraced_compare.py "$@" 2>&1 | tee "$OUT/untraced.log" | grep -vE "^(INFO|WARNING)" | tail -60 ;;
   gather)
     python3 benchmarks/gpu/gather_bench.py "$@" 2>&1 | tee "$OUT/gather.log" ;;
   anchors)  # row 6 beside a stock-with-graphs reference (needs a bundle built with ANCHORS=1)
