@@ -173,6 +173,7 @@ def main() -> None:
                                  "--memory", str(args.memory)], env=env, stdout=subprocess.PIPE, text=True)
         rows.append(headline._reply(proc, "RESULT"))
         proc.wait()
+        print(table(rows[-1:]).splitlines()[-1], flush=True)  # (each row as it comes: a cut run keeps it)
         if rows[-1]["tokens"] != args.reps * headline.N * headline.OLEN:
             sys.exit(f"{kind}: {rows[-1]['tokens']} tokens, expected {args.reps * headline.N * headline.OLEN}")
     print(table(rows))
