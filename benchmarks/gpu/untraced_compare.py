@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import pstats
+import re
 import statistics
 import subprocess
 import sys
@@ -72,15 +73,19 @@ def _python_calls(run: Any) -> dict[str, Any]:
     prof.disable()
     total = plugin = steps = 0
     by_function: dict[str, int] = collections.Counter()
+    every: dict[str, int] = collections.Counter()  # (the parent prints where kinds differ most)
     for (filename, line, name), (_, calls, _, _, _) in pstats.Stats(prof).stats.items():
         total += calls
         if name == "schedule" and filename.endswith(os.path.join("sched", "scheduler.py")):
             steps = calls
+        where = filename.split(_PLUGIN_FILES)[-1].split("site-packages" + os.sep)[-1]
+        every[f"{where}:{line}:{re.sub(' at 0x[0-9a-f]+', '', name)}"] += calls  # (no addresses)
         if _PLUGIN_FILES in filename:
             plugin += calls
-            by_function[f"{filename.split(_PLUGIN_FILES)[-1]}:{line}:{name}"] += calls
+            by_function[f"{where}:{line}:{name}"] += calls
     return {"calls": total, "plugin_calls": plugin, "steps": steps,
-            "top_plugin": by_function.most_common(12)}
+            "top_plugin": by_function.most_common(12),
+            "functions": {k: n for k, n in every.items() if n >= 32}}
 
 
 def _device_work(run: Any) -> dict[str, Any]:
@@ -181,6 +186,15 @@ def main() -> None:
         if row["top_plugin"]:
             print(f"\n{row['kind']}: the plugin's most called functions in one batch\n"
                   + "\n".join(f"  {n:8d} {name}" for name, n in row["top_plugin"]))
+    base = rows[0]["functions"]
+    for row in rows[1:]:
+        diff = {k: row["functions"].get(k, 0) - base.get(k, 0) for k in set(base) | set(row["functions"])}
+        print(f"\n{row['kind']} over {rows[0]['kind']}: the largest differences in calls per batch "
+              "(functions called 32 times or more in either)\n"
+              + "\n".join(f"  {n:+8d} {name}" for name, n in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:20]
+                           if n))
+    for row in rows:
+        row.pop("functions")
     print("\n" + json.dumps(rows))
 
 
