@@ -4,10 +4,13 @@ The user's-way runs put untraced traffic on the taps engine 4-8% below stock, bu
 lent machine drifts by tens of percent over seconds, so their intervals cannot say
 where a few percent go. This counts what does not drift: for one untraced batch of the
 headline workload (256 fresh prompts x 128 tokens -> 128 tokens) on each engine kind,
-the GPU's kernels (how many, and their summed device time, from torch's profiler),
-the host's CUDA graph replays and kernel launches, the Python calls (all of them, and
-those in the plugin's files, from cProfile's call counts), the engine steps and the
-garbage collector's collections, plus the wall time of unprofiled batches. Engine kinds:
+the GPU's kernels (how many, and their summed device time, from torch's profiler;
+copies and memsets apart), the host's CUDA graph replays, other kernel launches and
+waits for the device, the Python calls (all of them, and those in the plugin's files,
+from cProfile's call counts: on Python 3.12 every thread's, on 3.11 the calling
+thread's), the scheduler's ``schedule()`` calls (engine steps, and under asynchronous
+scheduling any that schedule nothing) and the garbage collector's collections, plus the
+wall time of unprofiled batches (profiled batches are a batch of their own each). Engine kinds:
 
     stock    vLLM alone (the plugin switched off)
     loaded   the plugin loaded, no taps: its hooks alone
@@ -85,28 +88,36 @@ def _python_calls(run: Any) -> dict[str, Any]:
             by_function[f"{where}:{line}:{name}"] += calls
     return {"calls": total, "plugin_calls": plugin, "steps": steps,
             "top_plugin": by_function.most_common(12),
-            "functions": {k: n for k, n in every.items() if n >= 32}}
+            "functions": dict(every)}
 
 
 def _device_work(run: Any) -> dict[str, Any]:
-    """Kernels and their summed device time, graph replays and launches during ``run()``."""
+    """The device's kernels and their summed time (copies and memsets apart), and the
+    host's graph replays, kernel launches (every launch API: Triton's go through
+    ``cuLaunchKernelEx``) and waits for the device during ``run()``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         run()
-    kernels = kernel_us = 0.0
+    device: dict[str, float] = collections.Counter()
     host: dict[str, int] = collections.Counter()
     for event in prof.events():
-        kind = str(event.device_type).rsplit(".", 1)[-1]
-        if kind == "CUDA":
-            kernels += 1
-            kernel_us += event.device_time
-        elif event.name in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync",
-                            "cudaStreamSynchronize", "cudaEventSynchronize", "cudaEventRecord"):
-            host[event.name] += 1
-    return {"kernels": int(kernels), "kernel_ms": kernel_us / 1000, "host_cuda": dict(host)}
+        name = event.name
+        if str(event.device_type).rsplit(".", 1)[-1] == "CUDA":
+            what = ("copies" if name.startswith("Memcpy") else "memsets" if name.startswith("Memset")
+                    else None if getattr(event, "is_user_annotation", False) else "kernels")
+            if what:
+                device[what] += 1
+                device[what + "_ms"] += event.device_time / 1000
+        elif name.startswith(("cudaGraphLaunch", "cuGraphLaunch")):
+            host["graph_replays"] += 1
+        elif name.startswith(("cudaLaunch", "cuLaunch")):
+            host["launches"] += 1
+        elif name.endswith("Synchronize"):
+            host["waits"] += 1
+    return {"device": dict(device), "host_cuda": dict(host)}
 
 
 def child(kind: str, reps: int, memory: float) -> None:
@@ -118,42 +129,50 @@ def child(kind: str, reps: int, memory: float) -> None:
     params = SamplingParams(max_tokens=headline.OLEN, ignore_eos=True, temperature=0.8, top_p=0.95,
                             detokenize=False)
 
-    def batch() -> int:  # (fresh prompts each batch: no prefix-cache hits)
+    produced = [0]  # output tokens of the batches after the warm-up (timed and profiled)
+
+    def batch() -> None:  # (fresh prompts each batch: no prefix-cache hits)
         outputs = llm.generate(headline.make_prompts(next(seeds)), params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
+        produced[0] += sum(len(o.outputs[0].token_ids) for o in outputs)
 
     for _ in range(2):  # warm-up at full batch
         batch()
+    produced[0] = 0
     collections_seen = [0, 0, 0]
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
             collections_seen[info["generation"]] += 1
 
-    walls, tokens = [], 0
+    walls = []
     gc.callbacks.append(on_gc)
     for _ in range(reps):
         t = time.perf_counter()
-        tokens += batch()
+        batch()
         walls.append(time.perf_counter() - t)
     gc.callbacks.remove(on_gc)
-    result = {"kind": kind, "wall_s": statistics.median(walls), "walls": walls, "tokens": tokens,
+    result = {"kind": kind, "wall_s": statistics.median(walls), "walls": walls,
               "gc_per_batch": [n / reps for n in collections_seen]}
-    result.update(_python_calls(batch))
-    result.update(_device_work(batch))
+    for part in (_python_calls(batch), _device_work(batch)):
+        result.update(part)
+    result["tokens"] = produced[0]
     print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # (the counts are out: no engine shutdown to wait for, nor its output to read)
 
 
 def table(rows: list[dict]) -> str:
     base = rows[0]
-    lines = [f"| engine | wall s per batch (median of {len(base['walls'])}) | engine steps | kernels "
-             "| kernels' device ms | graph replays | kernel launches | Python calls | of them the plugin's "
-             "| collections gen 0/1/2 per batch |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [f"| engine | wall s per batch (median of {len(base['walls'])}) | schedule() calls | kernels "
+             "| kernels' device ms | copies, memsets (device ms) | graph replays | other launches | waits "
+             "| Python calls | of them the plugin's | collections gen 0/1/2 per batch |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
-        host = row["host_cuda"]
-        launches = host.get("cudaLaunchKernel", 0) + host.get("cuLaunchKernel", 0)
-        lines.append(f"| {row['kind']} | {row['wall_s']:.3f} | {row['steps']} | {row['kernels']:,} "
-                     f"| {row['kernel_ms']:,.1f} | {host.get('cudaGraphLaunch', 0):,} | {launches:,} "
+        host, device = row["host_cuda"], row["device"]
+        copies = device.get("copies", 0) + device.get("memsets", 0)
+        copies_ms = device.get("copies_ms", 0) + device.get("memsets_ms", 0)
+        lines.append(f"| {row['kind']} | {row['wall_s']:.3f} | {row['steps']} | {device.get('kernels', 0):,.0f} "
+                     f"| {device.get('kernels_ms', 0):,.1f} | {copies:,.0f} ({copies_ms:,.1f}) "
+                     f"| {host.get('graph_replays', 0):,} | {host.get('launches', 0):,} | {host.get('waits', 0):,} "
                      f"| {row['calls']:,} | {row['plugin_calls']:,} "
                      f"| {'/'.join(f'{n:.1f}' for n in row['gc_per_batch'])} |")
     return "\n".join(lines)
@@ -175,13 +194,18 @@ def main() -> None:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING",
                    VLLM_NNSIGHT_DISABLE="0" if KINDS[kind][0] else "1")
         proc = subprocess.Popen([sys.executable, __file__, "--child", kind, "--reps", str(args.reps),
-                                 "--memory", str(args.memory)], env=env, stdout=subprocess.PIPE, text=True)
-        rows.append(headline._reply(proc, "RESULT"))
-        proc.wait()
+                                 "--memory", str(args.memory)], env=env, stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            rows.append(headline._reply(proc, "RESULT"))
+            proc.communicate(timeout=60)  # (the child exits once it has answered)
+        finally:
+            if proc.poll() is None:  # (and whatever it started: an engine must not outlive it)
+                os.killpg(proc.pid, 9)
         print(table(rows[-1:]).splitlines()[-1], flush=True)  # (each row as it comes: a cut run keeps it)
-        if rows[-1]["tokens"] != args.reps * headline.N * headline.OLEN:
-            sys.exit(f"{kind}: {rows[-1]['tokens']} tokens, expected {args.reps * headline.N * headline.OLEN}")
-    print(table(rows))
+        expected = (args.reps + 2) * headline.N * headline.OLEN  # (the timed batches and the two profiled)
+        if rows[-1]["tokens"] != expected:
+            sys.exit(f"{kind}: {rows[-1]['tokens']} output tokens, expected {expected}")
     for row in rows:
         if row["top_plugin"]:
             print(f"\n{row['kind']}: the plugin's most called functions in one batch\n"
@@ -189,13 +213,13 @@ def main() -> None:
     base = rows[0]["functions"]
     for row in rows[1:]:
         diff = {k: row["functions"].get(k, 0) - base.get(k, 0) for k in set(base) | set(row["functions"])}
-        print(f"\n{row['kind']} over {rows[0]['kind']}: the largest differences in calls per batch "
-              "(functions called 32 times or more in either)\n"
+        print(f"\n{row['kind']} over {rows[0]['kind']}: the largest differences in calls per batch\n"
               + "\n".join(f"  {n:+8d} {name}" for name, n in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:20]
                            if n))
     for row in rows:
         row.pop("functions")
     print("\n" + json.dumps(rows))
+    print("\n" + table(rows))
 
 
 if __name__ == "__main__":

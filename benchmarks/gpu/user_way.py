@@ -443,8 +443,12 @@ def main() -> None:
     for proc, _ in procs.values():
         try:
             proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        except subprocess.TimeoutExpired:  # (its engine core too: it must not hold the GPU for the next call)
+            for pid in [*descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
 
 
 def report(rounds: list[dict[str, list[dict]]], args: Any, out_dir: str) -> None:
