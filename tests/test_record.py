@@ -177,7 +177,7 @@ def test_a_saved_list_of_several_locations_at_the_prompt_is_one_read_per_item():
     found = _plan("hs = [layer.output[0] for layer in model.layers]\nhs.append(model.logits)\nhs = hs.save()")
     assert isinstance(found, Lowered), found
     names = tuple(f"__list__hs.{i}" for i in range(4))
-    assert found.lists == (("hs", names),)
+    assert [(name, g.kind, g.items) for name, g in found.lists] == [("hs", "list", names)]
     assert found.spec["ops"] == [
         *({"op": "read", "name": names[i], "module": f"layers.{i}", "index": 0, "structure": 2, "steps": "prefill"}
           for i in range(3)),
@@ -194,12 +194,46 @@ def test_a_saved_list_of_several_locations_at_the_prompt_is_one_read_per_item():
     steps = _plan("ls = []\nfor _ in tracer.iter[:2]:\n    c = model.layers[0].output[0].clone()\n    c *= 2\n"
                   "    ls.append(c)\nls = ls.save()")
     assert isinstance(steps, Fallback) and "that the block edited" in steps.why, steps
-    # a trace-level list the invokes write into merges per slot (client/shared.py): code
-    from vllm_nnsight_plugin.payload.codec import SharedList
 
-    shared = SharedList()
-    slots = _plan("res.append(model.layers[0].output[0])\nres.append(model.layers[1].output[0])", res=shared)
-    assert isinstance(slots, Fallback), slots
+
+def test_trace_level_containers_go_back_as_the_block_left_them():
+    """A trace-level list or dict an invoke writes into (client/shared.py merges each
+    invoke's copy): a read at the prompt per module value put into it, every other item
+    kept as it is; one location's values appended step by step stay one per-step read;
+    an untouched container goes back not at all; a step's value in a slot runs as code."""
+    from vllm_nnsight_plugin.engine.cache import Kept
+    from vllm_nnsight_plugin.payload.codec import SharedDict, SharedList
+
+    appended = _plan("res.append(model.layers[0].output[0])\nres.append(model.layers[1].output[0])",
+                     res=SharedList())
+    assert isinstance(appended, Lowered) and appended.lists[0][1].kind == "list", appended
+    assert appended.lists[0][1].items == ("__list__res.0", "__list__res.1")
+    slots = _plan("slots[i] = model.layers[1].output[0]\ncounts[i] = i + 1\nrows[key] = model.logits",
+                  slots=SharedList([None, None, None]), counts=SharedList([0, 0, 0]), rows=SharedDict({"a": 1}),
+                  i=1, key="b")
+    assert isinstance(slots, Lowered), slots
+    gathered = dict(slots.lists)
+    assert [type(v) for v in gathered["slots"].items] == [Kept, str, Kept]
+    assert [v.value for v in gathered["counts"].items] == [0, 2, 0] and gathered["counts"].reads() == ()
+    assert gathered["rows"].kind == "dict" and gathered["rows"].keys == ("a", "b")
+    assert {op["op"] for op in slots.spec["ops"]} == {"read", "logits"}
+    built = gathered["slots"].build(lambda name: f"value of {name}")
+    assert built == [None, "value of __list__slots.0", None]
+    # the same block in two invokes, each its own slot: the same ops (they batch together)
+    other = _plan("slots[i] = model.layers[1].output[0]", slots=SharedList([None, None]), i=0)
+    again = _plan("slots[i] = model.layers[1].output[0]", slots=SharedList([None, None]), i=1)
+    assert other.spec["ops"] == again.spec["ops"]
+    per_step = _plan("for _ in tracer.iter[:2]:\n    outs.append(model.layers[0].output[0])", outs=SharedList())
+    assert isinstance(per_step, Lowered) and not per_step.lists
+    assert per_step.spec["ops"][0]["steps"] == [0, 1]
+    untouched = _plan("h = model.layers[0].output[0].save()", outs=SharedList([1]))
+    assert isinstance(untouched, Lowered) and not untouched.lists
+    later = _plan("for _ in tracer.iter[1:2]:\n    slots[0] = model.layers[0].output[0]", slots=SharedList([None]))
+    assert isinstance(later, Fallback) and "after the prompt" in later.why, later
+    odd = _plan("slots[0] = model.layers[0]", slots=SharedList([None]))
+    assert isinstance(odd, Fallback) and "cannot carry" in odd.why, odd
+    only_numbers = _plan("counts[0] = 5", counts=SharedList([0]))
+    assert isinstance(only_numbers, Fallback) and "reads and edits nothing" in only_numbers.why, only_numbers
 
 
 def test_logits_reads_are_a_plan_of_their_own():
@@ -306,6 +340,22 @@ def test_plans_are_cached_by_payload_text_unless_large():
     big = json.loads(make_payload(_steer_toy_big))
     one, two = lowerings.get(big, serves), lowerings.get(big, serves)
     assert isinstance(one, Lowered) and isinstance(two, Lowered) and two is not one
+
+    # one block with each invoke's own value (``slots[i] = ...``): plans of their own whose like ops
+    # are one object, so the batched runner groups their requests
+    from vllm_nnsight_plugin.payload.codec import SharedList
+
+    def slot_plan(i: int) -> Lowered:
+        slots = SharedList([None, None])
+
+        def block(model, tracer):
+            slots[i] = model.layers[0].output[0]
+
+        return lowerings.get(json.loads(make_payload(block)), serves)
+
+    a, b = slot_plan(0), slot_plan(1)
+    assert a is not b and dict(a.lists)["slots"].items != dict(b.lists)["slots"].items
+    assert a.spec["ops"][0] is b.spec["ops"][0]
 
     def untapped(path: str, kind: str) -> None:
         raise ValueError("not tapped")

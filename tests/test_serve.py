@@ -704,6 +704,33 @@ def test_nnsight_style_blocks_run_on_a_server_that_runs_no_code(spec_server, lla
                 h = model.model.layers[1].output[0].save()  # noqa: F841
 
 
+def test_trace_level_slots_and_keys_run_as_plans_on_a_server_without_code(spec_server, llama_path, hf_llama):
+    """nnsight's shared state across invokes written by slot and by key (each invoke its
+    own ``slots[i]`` and ``rows[prompt]``, a number beside them) goes to a default server
+    as plans (no code), and each invoke's writes come back merged, equal to HF."""
+    model = VLLM(llama_path)
+    prompts = ["Hello", "The capital of Japan is"]
+    with model.trace(serve=spec_server.url, api_key=KEY, temperature=0.0, max_tokens=1) as tracer:
+        slots = [None for _ in prompts].save()
+        counts = [0 for _ in prompts].save()
+        rows = dict().save()
+        appended = list().save()
+        for i, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                slots[i] = model.logits
+                counts[i] = i + 1
+                rows[prompt] = model.model.layers[1].output[0][-1]
+                appended.append(model.model.layers[0].output[0])
+    assert [o.ran_as for o in tracer.outputs] == ["batched", "batched"]
+    assert counts == [1, 2] and list(rows) == prompts and len(appended) == 2
+    for out, prompt, logits, first in zip(tracer.outputs, prompts, slots, appended):
+        run = HFRun(hf_llama, list(out.prompt_token_ids)).record("mlp1", hf_llama.model.layers[1].mlp)
+        run.record("mlp0", hf_llama.model.layers[0].mlp)  # (a vLLM layer's output[0]: its MLP's output)
+        assert_close(logits[0], run.logits()[-1])
+        assert_close(rows[prompt], run.records["mlp1"][-1])
+        assert_close(first, run.records["mlp0"])
+
+
 def test_sse_chunks_carry_each_steps_saves(spec_server, llama_path, hf_llama):
     spec = _spec([{"op": "logits_topk", "name": "top", "k": 2, "steps": "all"}])
     chunks = spec_server.stream("/v1/completions", {

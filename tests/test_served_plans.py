@@ -86,9 +86,9 @@ def test_the_client_records_the_plan_the_engine_records():
             assert torch.equal(tagged.decode_tensor(got.pop("value")["$tensor"]).double(),
                                torch.tensor(want["value"], dtype=torch.float64))
             want = {k: v for k, v in want.items() if k != "value"}
-        renamed = dict(zip(engine.lists[0][1], client.lists[0][1]))
+        renamed = dict(zip(engine.lists[0][1].items, client.lists[0][1].items))
         assert got == {**want, **({"name": renamed[want["name"]]} if want.get("name") in renamed else {})}
-    assert client.lists == (("pair", ("_l0.0", "_l0.1")),)
+    assert [(name, g.kind, g.items) for name, g in client.lists] == [("pair", "list", ("_l0.0", "_l0.1"))]
     assert sent["ops"][-1] == {"op": "result", "name": "ids",
                                "path": [["attr", "outputs"], ["item", 0], ["attr", "token_ids"]]}
 

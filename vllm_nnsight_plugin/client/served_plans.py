@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..engine import guards, lower
+from ..engine.cache import Gather
 from ..payload import codec, request_args, spec
 from ..payload import values as tagged
 from ..payload.tapset import TapSet
@@ -34,7 +35,7 @@ class ServedPlan:
 
     lowered: lower.Lowered
     payload: str
-    lists: tuple[tuple[str, tuple[str, ...]], ...]
+    lists: tuple[tuple[str, Gather], ...]
     filename: str
     source_lines: tuple[str, ...]
     first_line: int
@@ -64,8 +65,6 @@ def plan(code_payload: str, tree: Any) -> ServedPlan | lower.Fallback:
     try:
         rec, resolve = lower.table_recorder(list(tree.modules), tree.record)
         values = codec.load_code(env, resolve).values
-        if any(isinstance(v, codec.SharedList) for v in values.values()):  # (merged back as code's copy is)
-            return lower.Fallback("it writes into a list the trace saved", env["lineno"])
         found = lower.plan_block(rec, env["source"], env["filename"], env["lineno"], values, seconds=0)
         if isinstance(found, lower.Fallback):
             return found
@@ -79,7 +78,8 @@ def _served(found: lower.Lowered, env: dict[str, Any], tree: Any) -> ServedPlan 
     the server ships, values as base64 tensors (as compact as the code payload's)."""
     taps = None if tree.taps is None else TapSet(tree.taps)
     integer_inputs = frozenset(tree.record.get("integer_inputs") or ())
-    renamed = {item: f"_l{k}.{i}" for k, (_, items) in enumerate(found.lists) for i, item in enumerate(items)}
+    renamed = {item: f"_l{k}.{i}" for k, (_, gather) in enumerate(found.lists)
+               for i, item in enumerate(gather.reads())}
     ops = []
     for op in found.spec["ops"]:
         op = {**op, "name": renamed.get(op["name"], op["name"])} if "name" in op else dict(op)
@@ -99,7 +99,7 @@ def _served(found: lower.Lowered, env: dict[str, Any], tree: Any) -> ServedPlan 
     refused = lower.first_refused(ops, found.lines, check)
     if refused is not None:
         return refused
-    lists = tuple((name, tuple(renamed[item] for item in items)) for name, items in found.lists)
+    lists = tuple((name, gather.renamed(renamed)) for name, gather in found.lists)
     return ServedPlan(found, json.dumps(codec.spec_envelope(ops)), lists, env["filename"],
                       tuple(env["source"].splitlines()), env["lineno"])
 
@@ -138,9 +138,9 @@ def finish(output: Any, found: Plan) -> None:
     if sequences is None and getattr(output, "saves", None):
         holders.append(output.saves)
     for saves in {id(s): s for s in holders}.values():
-        for name, items in found.lists:
-            if all(item in saves for item in items):
-                saves[name] = [saves.pop(item) for item in items]
+        for name, gather in found.lists:
+            if all(item in saves for item in gather.reads()):
+                saves[name] = gather.build(saves.pop)
     if sequences is not None:  # (n > 1: every name a list of the sequences' values)
         names = dict.fromkeys(name for saves in sequences for name in saves)
         output.saves = {name: [saves.get(name) for saves in sequences] for name in names}

@@ -131,30 +131,60 @@ class ModuleCache(Gathered):
         return f"ModuleCache({self._expansion.name!r}, {len(self._expansion.parts)} locations)"
 
 
+@dataclass(frozen=True, eq=False)
+class Kept:
+    """An item a block put into a saved list or dict that is no module's value (a
+    number, None, a tensor it was given): it goes back as it is."""
+
+    value: Any
+
+
+@dataclass(frozen=True, eq=False)
+class Gather:
+    """A saved list or dict as the block left it: each item the derived name of a read
+    at the prompt (a ``str``), or a :class:`Kept` value; a dict's keys beside them."""
+
+    kind: str  # "list" or "dict"
+    items: tuple[str | Kept, ...]
+    keys: tuple[Any, ...] = ()
+
+    def reads(self) -> tuple[str, ...]:
+        return tuple(item for item in self.items if isinstance(item, str))
+
+    def build(self, value_of: Callable[[str], Any]) -> list[Any] | dict[Any, Any]:
+        """The list or dict, each read's value taken by ``value_of(name)``."""
+        got = [value_of(item) if isinstance(item, str) else item.value for item in self.items]
+        return got if self.kind == "list" else dict(zip(self.keys, got, strict=True))
+
+    def renamed(self, names: dict[str, str]) -> Gather:
+        return Gather(self.kind, tuple(names[i] if isinstance(i, str) else i for i in self.items), self.keys)
+
+
 class ReadList(Gathered):
-    """A saved list of values read at the prompt from several locations (a block's
-    ``[layer.output[0] for layer in layers]``): one batched prefill read per item under
-    a derived name, gathered into one list when results ship. An item not read (its
-    request failed first) is None."""
+    """A saved list (or dict) of values read at the prompt from several locations (a
+    block's ``[layer.output[0] for layer in layers]``, or a trace-level list or dict an
+    invoke wrote into): one batched prefill read per read item under a derived name,
+    put together with the items the block put there otherwise when results ship. An
+    item not read (its request failed first) is None."""
 
-    __slots__ = ("_names",)
+    __slots__ = ("_gather",)
 
-    def __init__(self, namespace: dict[str, Any], names: tuple[str, ...]):
+    def __init__(self, namespace: dict[str, Any], gather: Gather):
         super().__init__(namespace)
-        self._names = names
+        self._gather = gather
 
     def _read_names(self) -> Iterable[str]:
-        return self._names
+        return self._gather.reads()
 
     def values(self) -> list[Any]:
         """The items read so far (what the saved-value limits measure)."""
-        return [self._namespace[n] for n in self._names if n in self._namespace]
+        return [self._namespace[n] for n in self._gather.reads() if n in self._namespace]
 
     def __nnsight_encode__(self, binary: bool) -> Any:
-        return tagged.encode([self._namespace.get(n) for n in self._names], binary)
+        return tagged.encode(self._gather.build(self._namespace.get), binary)
 
     def __repr__(self) -> str:
-        return f"ReadList({len(self._names)} items)"
+        return f"ReadList({len(self._gather.items)} items)"
 
 
 def default_paths(model: torch.nn.Module, shared: frozenset[int], outside_forward: frozenset[str],

@@ -3,7 +3,9 @@
 Every code block is recorded once (per distinct payload text) when a request
 brings it. The recording's notes become ops of the batched spec: edits merged
 across the steps of an unrolled loop (one op per distinct edit, with its steps),
-a saved value a read at the prompt, a saved list a read per step. The spec runs
+a saved value a read at the prompt, a saved list a read per step (or a read per
+item at the prompt), and a trace-level list or dict the block wrote into a read per
+module value put in, other items kept (:class:`.cache.Gather`). The spec runs
 for all requests at once (:mod:`.batched`). A block that cannot be recorded runs
 as code for its request; :class:`Fallback` says which line and why.
 
@@ -16,6 +18,7 @@ runner fails the request, naming the fix, where the value is not that.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import defaultdict
@@ -27,6 +30,7 @@ import torch
 
 from ..payload import codec, spec
 from . import record
+from .cache import Gather, Kept
 from .envoy import ResultRef
 from .forward_types import output_structure
 from .proxies import RecEnvoy, RecTensor, RecTuple
@@ -45,13 +49,14 @@ MAX_LIST_ITEMS = 256  # (a JSON spec carries at most as many ops: payload.spec.M
 
 @dataclass(frozen=True)
 class Lowered:
-    """A block as a spec: its ops and each op's source line, and the saved lists of
-    values read at the prompt from several locations (``lists``: each name with its
-    items' derived names; :class:`.cache.ReadList` gathers them)."""
+    """A block as a spec: its ops and each op's source line, and the saved lists (and
+    trace-level dicts) put together from reads at the prompt and values the block put
+    there (``lists``: each name with its :class:`.cache.Gather`; :class:`.cache.ReadList`
+    gathers it)."""
 
     spec: dict[str, Any]
     lines: tuple[int, ...]
-    lists: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    lists: tuple[tuple[str, Gather], ...] = ()
 
     def relabel(self, message: str) -> tuple[str, int | None]:
         """A batched op's error (``ops[N] (add ...): why``) as the block's: the message
@@ -177,22 +182,25 @@ def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: d
         return Fallback("it does not compile", lineno)
     from ..payload.codec import SharedDict, SharedList
 
-    for name, value in values.items():  # (a trace-level list: saved, as the trace saved it)
-        if isinstance(value, SharedList):
+    before: dict[int, list[Any] | dict[Any, Any]] = {}  # trace-level containers as they came
+    for value in values.values():  # (saved, as the trace saved them)
+        if isinstance(value, (SharedList, SharedDict)):
             rec.saved[id(value)] = value
-        elif isinstance(value, SharedDict):  # (a plan saves names and lists, not a dict's keys)
-            return Fallback(f"writes into a dict the trace saved ({name})", lineno)
+            before[id(value)] = _structure(value)
     try:
         namespace = record.run_block(rec, code, values, lineno, seconds)
-        return _assemble(rec, namespace)
+        return _assemble(rec, namespace, before)
     except Unrecordable as exc:
         return Fallback(exc.why, exc.line or lineno)
 
 
-def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
+def _assemble(rec: Recorder, namespace: dict[str, Any], before: dict[int, Any] | None = None) -> Lowered:
+    """The spec of a recording. ``before``: the trace-level lists and dicts the block
+    was given, by id, as they came (what it wrote into them goes back)."""
     ops: list[tuple[int, dict[str, Any], int]] = []  # (access order, op, line)
     caches: list[tuple[int, dict[str, Any], int]] = []
-    lists: list[tuple[str, tuple[str, ...]]] = []
+    lists: list[tuple[str, Gather]] = []
+    before = before or {}
     seen: set[int] = set()
     for name, value in namespace.items():
         if name.startswith("__") or id(value) not in rec.saved or rec.saved[id(value)] is not value:
@@ -210,14 +218,21 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
                                   "path": [list(part) for part in value.__nnsight_result_path__]},
                         rec.result_lines.get(id(value), 0)))
             continue
-        if isinstance(value, list) and any(isinstance(v, RecTensor) and v._pending for v in value):
+        items = list(value.values()) if isinstance(value, dict) else value
+        if isinstance(items, list) and any(isinstance(v, RecTensor) and v._pending for v in items):
             raise Unrecordable(f"saves a list ({name}) holding a copy of a module's value that the block edited",
                                None)
+        if id(value) in before and not _per_step_list(value, before[id(value)]):
+            if _unchanged(value, before[id(value)]):
+                continue  # (nothing to merge: the caller's container stays as it is)
+            reads, gather = _written(name, value)
+            ops.extend(reads)
+            lists.append((name, gather))
+            continue
         if _read_list(value):
-            items = [(f"{LIST_PREFIX}{name}.{i}", item) for i, item in enumerate(value)]
-            ops.extend((item._loc.seq, {**_read_op(hidden, item._where()), "steps": "prefill"}, item._loc.line)
-                       for hidden, item in items)
-            lists.append((name, tuple(hidden for hidden, _ in items)))
+            reads, gather = _written(name, value)
+            ops.extend(reads)
+            lists.append((name, gather))
             continue
         ops.append(_read(name, value))
     edited = {e.location for e in rec.edits}
@@ -227,6 +242,9 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
     ops.extend(_merged_edits(rec))
     ops.extend(caches)
     if not ops:
+        if lists:  # (numbers or None only: what they are is known without the engine)
+            raise Unrecordable("it reads and edits nothing (it only puts values that are no module's into "
+                               f"{lists[0][0]})", None)
         if rec.saved:  # (saved, then put where no name of the block holds it)
             line = next((v._loc.line for v in rec.saved.values() if hasattr(v, "_loc")), None)
             raise Unrecordable("it saves no value under a name (only names bound in the block come back: "
@@ -234,6 +252,74 @@ def _assemble(rec: Recorder, namespace: dict[str, Any]) -> Lowered:
         raise Unrecordable("it reads and edits nothing", None)
     ops.sort(key=lambda item: item[0])
     return Lowered(codec.spec_envelope([op for _, op, _ in ops]), tuple(line for _, _, line in ops), tuple(lists))
+
+
+def _per_step_list(value: Any, came: Any) -> bool:
+    """A trace-level list that came empty and holds the values of one location at
+    successive steps (``for step in tracer.iter[:]: outs.append(...)``): one per-step
+    read, as a list the block made (:func:`_read`)."""
+    return isinstance(value, list) and not came and bool(value) \
+        and all(isinstance(v, (RecTensor, RecTuple)) for v in value) \
+        and not (all(v._loc.step == 0 for v in value) and any(v._where() != value[0]._where() for v in value))
+
+
+def _structure(value: Any, depth: int = 0) -> Any:
+    """Lists and dicts copied all the way down (the items themselves kept): what a
+    container held before the block ran, inner lists too."""
+    if depth < 8 and isinstance(value, list):
+        return [_structure(v, depth + 1) for v in value]
+    if depth < 8 and isinstance(value, dict):
+        return {k: _structure(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def _unchanged(value: Any, came: Any, depth: int = 0) -> bool:
+    """Whether the block left a container as it came (:func:`_structure`), inner ones too."""
+    if depth < 8 and isinstance(value, list) and type(came) is list:
+        return len(value) == len(came) and all(_unchanged(a, b, depth + 1) for a, b in zip(value, came))
+    if depth < 8 and isinstance(value, dict) and type(came) is dict:
+        return list(value) == list(came) and all(_unchanged(value[k], came[k], depth + 1) for k in came)
+    return value is came
+
+
+def _written(name: str, value: Any) -> tuple[list[tuple[int, dict[str, Any], int]], Gather]:
+    """A saved list, or a trace-level list or dict the block wrote into, as it left it:
+    a read at the prompt per module value in it (each under a derived name), every
+    other item kept as it is (a number, None, a tensor it was given)."""
+    keys = tuple(value) if isinstance(value, dict) else ()
+    found = list(value.values()) if isinstance(value, dict) else list(value)
+    reads: list[tuple[int, dict[str, Any], int]] = []
+    items: list[str | Kept] = []
+    for key in keys:
+        if not _plain(key):
+            raise Unrecordable(f"writes into {name} under a key a plan cannot carry ({type(key).__name__})", None)
+    for item in found:
+        if isinstance(item, (RecTensor, RecTuple)):
+            if item._loc.step != 0:
+                raise Unrecordable(f"puts a value of a step after the prompt into {name} (a plan reads a "
+                                   "list's items at the prompt, or one location per step)", item._loc.line)
+            hidden = f"{LIST_PREFIX}{name}.{len(reads)}"
+            reads.append((item._loc.seq, {**_read_op(hidden, item._where()), "steps": "prefill"}, item._loc.line))
+            items.append(hidden)
+        elif _plain(item):
+            items.append(Kept(item))
+        else:
+            raise Unrecordable(f"puts a {type(item).__name__} into {name}, which a plan cannot carry", None)
+    if len(reads) > MAX_LIST_ITEMS:
+        raise Unrecordable(f"reads {len(reads)} values into {name} (a plan reads at most {MAX_LIST_ITEMS})", None)
+    return reads, Gather("dict" if keys or isinstance(value, dict) else "list", tuple(items), keys)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """A value that goes back as it is: numbers, strings, None, tensors, and lists,
+    tuples and dicts of them (no recorded value inside)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return not isinstance(value, RecTensor)
+    if depth < 8 and type(value) in (list, tuple):
+        return all(_plain(v, depth + 1) for v in value)
+    if depth < 8 and type(value) is dict:
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _read_list(value: Any) -> bool:
@@ -355,6 +441,7 @@ class Lowerings:
             else record.RECORD_TIME_S
         self._cache: dict[tuple, Lowered | Fallback] = {}
         self._shared: frozenset[int] | None = None
+        self._ops: dict[str, dict[str, Any]] = {}  # an op's JSON -> the one object of that op (see _interned)
 
     def get(self, env: dict[str, Any], check_access: Callable[[str, str], None],
             integer_inputs: frozenset[str] = frozenset()) -> Lowered | Fallback:
@@ -387,11 +474,25 @@ class Lowerings:
                     guards.refuse_integer_writes(codec.spec_envelope([op]), integer_inputs)
 
             found = first_refused(found.spec["ops"], found.lines, check) or found
+        if cacheable and isinstance(found, Lowered):
+            found.spec["ops"][:] = [self._interned(op) for op in found.spec["ops"]]
         if cacheable:
             if len(self._cache) >= 256:
                 self._cache.clear()
             self._cache[key] = found
         return found
+
+    def _interned(self, op: dict[str, Any]) -> dict[str, Any]:
+        """One object per distinct op across plans: blocks whose values differ per invoke
+        (``out[i] = ...`` with each invoke's ``i``) have plans of their own, and the
+        batched runner groups requests by op identity, so their like ops run as one."""
+        try:
+            key = json.dumps(op, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError):
+            return op
+        if len(self._ops) >= 4096:
+            self._ops.clear()
+        return self._ops.setdefault(key, op)
 
     def shared(self) -> frozenset[int]:
         """Ids of modules under more than one path (shared weights): never lowered."""
