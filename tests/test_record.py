@@ -232,6 +232,17 @@ def test_trace_level_containers_go_back_as_the_block_left_them():
     assert isinstance(later, Fallback) and "after the prompt" in later.why, later
     odd = _plan("slots[0] = model.layers[0]", slots=SharedList([None]))
     assert isinstance(odd, Fallback) and "cannot carry" in odd.why, odd
+    # a tensor the container brought, changed in place, goes back (the client's merge compares it)
+    changed = _plan("acc[0] += 1\nh = model.layers[0].output[0].save()", acc=SharedList([torch.zeros(3)]))
+    assert isinstance(changed, Lowered) and torch.equal(dict(changed.lists)["acc"].items[0].value, torch.ones(3))
+    # what a plan keeps is bounded (a cached plan holds it) and measured by the saved-value limits
+    big = _plan("s[0] = torch.zeros(1 << 20)\nh = model.layers[0].output[0].save()", s=SharedList([None]),
+                torch=torch)
+    assert isinstance(big, Fallback) and "KiB" in big.why, big
+    from vllm_nnsight_plugin.engine.cache import Gather, ReadList
+    from vllm_nnsight_plugin.engine.limits import measure
+
+    assert measure(ReadList({}, Gather("list", (Kept(torch.zeros(4)), Kept(None))))) == (2, 16)
     only_numbers = _plan("counts[0] = 5", counts=SharedList([0]))
     assert isinstance(only_numbers, Fallback) and "reads and edits nothing" in only_numbers.why, only_numbers
 

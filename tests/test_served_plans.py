@@ -147,3 +147,26 @@ def test_saved_lists_come_back_whole_for_each_sequence():
     served_plans.finish(two, found)
     assert two.saves == {"pair": [["a0", "b0"], ["a1", "b1"]]}  # (as merge_sequences: by sequence)
     assert [c.saves for c in two.outputs] == [{"pair": ["a0", "b0"]}, {"pair": ["a1", "b1"]}]
+
+
+def test_trace_level_writes_come_back_per_sequence_and_not_for_a_failed_request():
+    """A served plan's trace-level list: the values the block put there come back as each
+    sequence's own objects (as decoded results are), and a request that failed brings
+    no container back (the caller's stays as it was)."""
+    counts = codec.SharedList([[0], 0])
+
+    def block(model, tracer):
+        counts[1] = 7
+        h = model.model.layers[0].output[0].save()  # noqa: F841
+
+    found = served_plans.plan(make_payload(block), _tree(Model()))
+    assert isinstance(found, served_plans.ServedPlan) and dict(found.lists)["counts"].reads() == ()
+    seqs = [{"h": 1}, {"h": 2}]
+    two = types.SimpleNamespace(saves={"h": [1, 2]}, nnsight_sequence_saves=seqs, nnsight_error=None,
+                                outputs=[types.SimpleNamespace(saves=s, nnsight_error=None) for s in seqs])
+    served_plans.finish(two, found)
+    first, second = two.saves["counts"]
+    assert first == second == [[0], 7] and first[0] is not second[0]
+    failed = types.SimpleNamespace(saves={"h": 1}, nnsight_error={"message": "ops[0] (h): boom"}, outputs=[])
+    served_plans.finish(failed, found)
+    assert "counts" not in failed.saves

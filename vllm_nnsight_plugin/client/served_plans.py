@@ -137,10 +137,13 @@ def finish(output: Any, found: Plan) -> None:
     holders = [*(sequences or ()), *(c.saves for c in getattr(output, "outputs", ()) if getattr(c, "saves", None))]
     if sequences is None and getattr(output, "saves", None):
         holders.append(output.saves)
+    failed = any(isinstance(e := getattr(h, "nnsight_error", None), dict) and e.get("message")
+                 for h in (output, *getattr(output, "outputs", ())))
     for saves in {id(s): s for s in holders}.values():
         for name, gather in found.lists:
-            if all(item in saves for item in gather.reads()):
-                saves[name] = gather.build(saves.pop)
+            reads = gather.reads()
+            if (reads or not failed) and all(item in saves for item in reads):  # (a failed request: nothing)
+                saves[name] = gather.build(saves.pop, copy=True)
     if sequences is not None:  # (n > 1: every name a list of the sequences' values)
         names = dict.fromkeys(name for saves in sequences for name in saves)
         output.saves = {name: [saves.get(name) for saves in sequences] for name in names}

@@ -18,6 +18,7 @@ The reads' values stay in the session's namespace under derived names; the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,9 +152,11 @@ class Gather:
     def reads(self) -> tuple[str, ...]:
         return tuple(item for item in self.items if isinstance(item, str))
 
-    def build(self, value_of: Callable[[str], Any]) -> list[Any] | dict[Any, Any]:
-        """The list or dict, each read's value taken by ``value_of(name)``."""
-        got = [value_of(item) if isinstance(item, str) else item.value for item in self.items]
+    def build(self, value_of: Callable[[str], Any], copy: bool = False) -> list[Any] | dict[Any, Any]:
+        """The list or dict, each read's value taken by ``value_of(name)``; ``copy``: the
+        kept values copied (each result its own, as decoded results are)."""
+        got = [value_of(item) if isinstance(item, str) else deepcopy(item.value) if copy else item.value
+               for item in self.items]
         return got if self.kind == "list" else dict(zip(self.keys, got, strict=True))
 
     def renamed(self, names: dict[str, str]) -> Gather:
@@ -177,8 +180,9 @@ class ReadList(Gathered):
         return self._gather.reads()
 
     def values(self) -> list[Any]:
-        """The items read so far (what the saved-value limits measure)."""
-        return [self._namespace[n] for n in self._gather.reads() if n in self._namespace]
+        """The items read so far and the kept ones (what the saved-value limits measure)."""
+        return [self._namespace[item] if isinstance(item, str) else item.value for item in self._gather.items
+                if not isinstance(item, str) or item in self._namespace]
 
     def __nnsight_encode__(self, binary: bool) -> Any:
         return tagged.encode(self._gather.build(self._namespace.get), binary)

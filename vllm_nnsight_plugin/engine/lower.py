@@ -33,7 +33,8 @@ from . import record
 from .cache import Gather, Kept
 from .envoy import ResultRef
 from .forward_types import output_structure
-from .proxies import RecEnvoy, RecTensor, RecTuple
+from .limits import measure
+from .proxies import RecEnvoy, RecTensor, RecTuple, _Expr
 from .rec_tracer import RecTracer
 from .record import Recorder, Unrecordable
 
@@ -45,6 +46,8 @@ STATS = {"lowered": 0}  # blocks run as batched specs since start (the lane-stat
 
 LIST_PREFIX = "__list__"  # derived names of a saved list's items (a snapshot ships no name starting with "__")
 MAX_LIST_ITEMS = 256  # (a JSON spec carries at most as many ops: payload.spec.MAX_OPS)
+MAX_KEPT_BYTES = 64 * 1024  # tensor bytes a plan keeps of what a block put into a trace-level container
+MAX_INTERNED_OP = 4096  # JSON characters of an op that plans share (reads; small edits)
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,9 @@ def _per_step_list(value: Any, came: Any) -> bool:
         and not (all(v._loc.step == 0 for v in value) and any(v._where() != value[0]._where() for v in value))
 
 
+_IMMUTABLE = (type(None), bool, int, float, str)
+
+
 def _structure(value: Any, depth: int = 0) -> Any:
     """Lists and dicts copied all the way down (the items themselves kept): what a
     container held before the block ran, inner lists too."""
@@ -274,12 +280,14 @@ def _structure(value: Any, depth: int = 0) -> Any:
 
 
 def _unchanged(value: Any, came: Any, depth: int = 0) -> bool:
-    """Whether the block left a container as it came (:func:`_structure`), inner ones too."""
+    """Whether the block surely left a container as it came (:func:`_structure`), inner
+    ones too. An item that can change in place (a tensor, a tuple holding a list) counts
+    as changed: the container goes back and the client's merge compares it."""
     if depth < 8 and isinstance(value, list) and type(came) is list:
         return len(value) == len(came) and all(_unchanged(a, b, depth + 1) for a, b in zip(value, came))
     if depth < 8 and isinstance(value, dict) and type(came) is dict:
         return list(value) == list(came) and all(_unchanged(value[k], came[k], depth + 1) for k in came)
-    return value is came
+    return value is came and type(value) in _IMMUTABLE
 
 
 def _written(name: str, value: Any) -> tuple[list[tuple[int, dict[str, Any], int]], Gather]:
@@ -304,9 +312,15 @@ def _written(name: str, value: Any) -> tuple[list[tuple[int, dict[str, Any], int
         elif _plain(item):
             items.append(Kept(item))
         else:
-            raise Unrecordable(f"puts a {type(item).__name__} into {name}, which a plan cannot carry", None)
+            what = "value computed from a module's value" if isinstance(item, _Expr) \
+                else type(item).__name__
+            raise Unrecordable(f"puts a {what} into {name}, which a plan cannot carry", None)
     if len(reads) > MAX_LIST_ITEMS:
         raise Unrecordable(f"reads {len(reads)} values into {name} (a plan reads at most {MAX_LIST_ITEMS})", None)
+    kept = [item.value for item in items if isinstance(item, Kept)]
+    if measure(kept)[1] > MAX_KEPT_BYTES or len(kept) > MAX_LIST_ITEMS:  # (a cached plan holds them)
+        raise Unrecordable(f"puts more than {MAX_KEPT_BYTES // 1024} KiB or {MAX_LIST_ITEMS} values that are no "
+                           f"module's into {name} (the code path's limits measure them)", None)
     return reads, Gather("dict" if keys or isinstance(value, dict) else "list", tuple(items), keys)
 
 
@@ -479,6 +493,7 @@ class Lowerings:
         if cacheable:
             if len(self._cache) >= 256:
                 self._cache.clear()
+                self._ops.clear()
             self._cache[key] = found
         return found
 
@@ -490,8 +505,8 @@ class Lowerings:
             key = json.dumps(op, sort_keys=True, separators=(",", ":"))
         except (TypeError, ValueError):
             return op
-        if len(self._ops) >= 4096:
-            self._ops.clear()
+        if len(key) > MAX_INTERNED_OP:  # (an edit's long vector: its plan is shared by payload text)
+            return op
         return self._ops.setdefault(key, op)
 
     def shared(self) -> frozenset[int]:
