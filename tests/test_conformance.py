@@ -135,23 +135,34 @@ def test_trace_level_slots_and_dict_keys_take_each_invokes_writes(llama, hf_llam
     """nnsight's shared state across invokes, beyond appends: each invoke writing its own
     slot of a saved list, or its own key of a saved dict, and a slot an invoke did not
     change keeping what another invoke wrote there."""
-    from conftest import HFRun
+    from conftest import HFRun, assert_same
 
-    with llama.trace(temperature=0.0, max_tokens=1) as tracer:
-        slots = [None for _ in PROMPTS].save()
-        counts = [0 for _ in PROMPTS].save()
-        rows = dict().save()
-        for i, prompt in enumerate(PROMPTS):
-            with tracer.invoke(prompt):
-                rows[prompt] = llama.model.layers[1].output[0][-1]
-                counts[i] = i + 1
-                slots[i] = llama.logits
-    assert counts == [1, 2, 3] and list(rows) == PROMPTS
+    def run(lower: bool):
+        extra = {} if lower else {"extra_args": {"nnsight_lower": False}}
+        with llama.trace(temperature=0.0, max_tokens=1, **extra) as tracer:
+            slots = [None for _ in PROMPTS].save()
+            counts = [0 for _ in PROMPTS].save()
+            rows = {"gone": 0}.save()
+            acc = [torch.zeros(2)].save()
+            for i, prompt in enumerate(PROMPTS):
+                with tracer.invoke(prompt):
+                    rows[prompt] = llama.model.layers[1].output[0][-1]
+                    rows.pop("gone", None)
+                    counts[i] = i + 1
+                    acc[0] += 1  # (a tensor the container brought, edited in place)
+                    slots[i] = llama.logits
+        return tracer, (slots, counts, rows, acc)
+
+    tracer, (slots, counts, rows, acc) = run(True)
+    assert counts == [1, 2, 3] and list(rows) == PROMPTS and torch.equal(acc[0], torch.ones(2))
     assert all(o.ran_as == "batched" for o in tracer.outputs)  # (each slot or key a read at the prompt)
     for out, prompt, logits in zip(tracer.outputs, PROMPTS, slots):
-        run = HFRun(hf_llama, list(out.prompt_token_ids)).record("mlp1", hf_llama.model.layers[1].mlp)
-        assert_close(logits[0], run.logits()[-1])
-        assert_close(rows[prompt], run.records["mlp1"][-1])
+        run_hf = HFRun(hf_llama, list(out.prompt_token_ids)).record("mlp1", hf_llama.model.layers[1].mlp)
+        assert_close(logits[0], run_hf.logits()[-1])
+        assert_close(rows[prompt], run_hf.records["mlp1"][-1])
+    as_code, merged = run(False)  # the same block as code: the same containers
+    assert all(o.ran_as.startswith("code:") for o in as_code.outputs)
+    assert_same(merged, (slots, counts, rows, acc), rtol=1e-5, atol=1e-4)
 
 
 def test_nnsight_save_of_a_value_is_its_save(llama, hf_llama):
