@@ -117,6 +117,7 @@ def test_trace_level_lists_are_filled_by_the_invokes_in_order(llama, hf_llama):
                 outs[i].append(llama.model.layers[1].output[0][-1])
                 logits.append(llama.logits)
     assert len(logits) == len(PROMPTS) and [len(o) for o in outs] == [1] * len(PROMPTS)
+    assert all(o.ran_as == "batched" for o in tracer.outputs)  # (an inner list's append: a read at the prompt)
     for out, row, last in zip(tracer.outputs, logits, outs):
         ids = list(out.prompt_token_ids)
         run = HFRun(hf_llama, ids).record("mlp1", hf_llama.model.layers[1].mlp)

@@ -228,6 +228,13 @@ def test_trace_level_containers_go_back_as_the_block_left_them():
     assert per_step.spec["ops"][0]["steps"] == [0, 1]
     untouched = _plan("h = model.layers[0].output[0].save()", outs=SharedList([1]))
     assert isinstance(untouched, Lowered) and not untouched.lists
+    nested = _plan("outs[1].append(model.layers[0].output[0])", outs=SharedList([[], [5]]))
+    assert isinstance(nested, Lowered), nested
+    inner = dict(nested.lists)["outs"]
+    assert inner.reads() == ("__list__outs.0",) and inner.build(str) == [[], [5, "__list__outs.0"]]
+    per_step_inner = _plan("for _ in tracer.iter[:2]:\n    outs[0].append(model.layers[0].output[0])",
+                           outs=SharedList([[]]))
+    assert isinstance(per_step_inner, Fallback) and "after the prompt" in per_step_inner.why, per_step_inner
     later = _plan("for _ in tracer.iter[1:2]:\n    slots[0] = model.layers[0].output[0]", slots=SharedList([None]))
     assert isinstance(later, Fallback) and "after the prompt" in later.why, later
     odd = _plan("slots[0] = model.layers[0]", slots=SharedList([None]))

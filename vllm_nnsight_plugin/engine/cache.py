@@ -143,24 +143,31 @@ class Kept:
 @dataclass(frozen=True, eq=False)
 class Gather:
     """A saved list or dict as the block left it: each item the derived name of a read
-    at the prompt (a ``str``), or a :class:`Kept` value; a dict's keys beside them."""
+    at the prompt (a ``str``), a :class:`Kept` value, or an inner list or dict (a
+    ``Gather``); a dict's keys beside them."""
 
     kind: str  # "list" or "dict"
-    items: tuple[str | Kept, ...]
+    items: tuple[str | Kept | Gather, ...]
     keys: tuple[Any, ...] = ()
 
     def reads(self) -> tuple[str, ...]:
-        return tuple(item for item in self.items if isinstance(item, str))
+        return tuple(name for item in self.items for name in
+                     ((item,) if isinstance(item, str) else item.reads() if isinstance(item, Gather) else ()))
+
+    def kept(self) -> list[Any]:
+        return [value for item in self.items for value in
+                ((item.value,) if isinstance(item, Kept) else item.kept() if isinstance(item, Gather) else ())]
 
     def build(self, value_of: Callable[[str], Any], copy: bool = False) -> list[Any] | dict[Any, Any]:
         """The list or dict, each read's value taken by ``value_of(name)``; ``copy``: the
         kept values copied (each result its own, as decoded results are)."""
-        got = [value_of(item) if isinstance(item, str) else deepcopy(item.value) if copy else item.value
-               for item in self.items]
+        got = [value_of(item) if isinstance(item, str) else item.build(value_of, copy) if isinstance(item, Gather)
+               else deepcopy(item.value) if copy else item.value for item in self.items]
         return got if self.kind == "list" else dict(zip(self.keys, got, strict=True))
 
     def renamed(self, names: dict[str, str]) -> Gather:
-        return Gather(self.kind, tuple(names[i] if isinstance(i, str) else i for i in self.items), self.keys)
+        return Gather(self.kind, tuple(names[i] if isinstance(i, str) else i.renamed(names) if isinstance(i, Gather)
+                                       else i for i in self.items), self.keys)
 
 
 class ReadList(Gathered):
@@ -181,8 +188,7 @@ class ReadList(Gathered):
 
     def values(self) -> list[Any]:
         """The items read so far and the kept ones (what the saved-value limits measure)."""
-        return [self._namespace[item] if isinstance(item, str) else item.value for item in self._gather.items
-                if not isinstance(item, str) or item in self._namespace]
+        return [self._namespace[n] for n in self._gather.reads() if n in self._namespace] + self._gather.kept()
 
     def __nnsight_encode__(self, binary: bool) -> Any:
         return tagged.encode(self._gather.build(self._namespace.get), binary)

@@ -292,36 +292,45 @@ def _unchanged(value: Any, came: Any, depth: int = 0) -> bool:
 
 def _written(name: str, value: Any) -> tuple[list[tuple[int, dict[str, Any], int]], Gather]:
     """A saved list, or a trace-level list or dict the block wrote into, as it left it:
-    a read at the prompt per module value in it (each under a derived name), every
-    other item kept as it is (a number, None, a tensor it was given)."""
-    keys = tuple(value) if isinstance(value, dict) else ()
-    found = list(value.values()) if isinstance(value, dict) else list(value)
+    a read at the prompt per module value in it, inner lists and dicts too (each read
+    under a derived name), every other item kept as it is (a number, None, a tensor it
+    was given)."""
     reads: list[tuple[int, dict[str, Any], int]] = []
-    items: list[str | Kept] = []
+    gather = _gathered(name, value, reads, 0)
+    if len(reads) > MAX_LIST_ITEMS:
+        raise Unrecordable(f"reads {len(reads)} values into {name} (a plan reads at most {MAX_LIST_ITEMS})", None)
+    kept = gather.kept()
+    if measure(kept)[1] > MAX_KEPT_BYTES or len(kept) > MAX_LIST_ITEMS:  # (a cached plan holds them)
+        raise Unrecordable(f"puts more than {MAX_KEPT_BYTES // 1024} KiB or {MAX_LIST_ITEMS} values that are no "
+                           f"module's into {name} (the code path's limits measure them)", None)
+    return reads, gather
+
+
+def _gathered(name: str, value: Any, reads: list[tuple[int, dict[str, Any], int]], depth: int) -> Gather:
+    keys = tuple(value) if isinstance(value, dict) else ()
+    items: list[str | Kept | Gather] = []
     for key in keys:
         if not _plain(key):
             raise Unrecordable(f"writes into {name} under a key a plan cannot carry ({type(key).__name__})", None)
-    for item in found:
+    for item in (value.values() if isinstance(value, dict) else value):
         if isinstance(item, (RecTensor, RecTuple)):
             if item._loc.step != 0:
                 raise Unrecordable(f"puts a value of a step after the prompt into {name} (a plan reads a "
                                    "list's items at the prompt, or one location per step)", item._loc.line)
+            if isinstance(item, RecTensor) and item._pending:
+                raise Unrecordable(f"puts a copy of a module's value that the block edited into {name}", None)
             hidden = f"{LIST_PREFIX}{name}.{len(reads)}"
             reads.append((item._loc.seq, {**_read_op(hidden, item._where()), "steps": "prefill"}, item._loc.line))
             items.append(hidden)
         elif _plain(item):
             items.append(Kept(item))
+        elif depth < 8 and type(item) in (list, dict):  # (an inner list an invoke appended to: outs[i])
+            items.append(_gathered(name, item, reads, depth + 1))
         else:
             what = "value computed from a module's value" if isinstance(item, _Expr) \
                 else type(item).__name__
             raise Unrecordable(f"puts a {what} into {name}, which a plan cannot carry", None)
-    if len(reads) > MAX_LIST_ITEMS:
-        raise Unrecordable(f"reads {len(reads)} values into {name} (a plan reads at most {MAX_LIST_ITEMS})", None)
-    kept = [item.value for item in items if isinstance(item, Kept)]
-    if measure(kept)[1] > MAX_KEPT_BYTES or len(kept) > MAX_LIST_ITEMS:  # (a cached plan holds them)
-        raise Unrecordable(f"puts more than {MAX_KEPT_BYTES // 1024} KiB or {MAX_LIST_ITEMS} values that are no "
-                           f"module's into {name} (the code path's limits measure them)", None)
-    return reads, Gather("dict" if keys or isinstance(value, dict) else "list", tuple(items), keys)
+    return Gather("dict" if isinstance(value, dict) else "list", tuple(items), keys)
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
