@@ -706,7 +706,7 @@ def test_nnsight_style_blocks_run_on_a_server_that_runs_no_code(spec_server, lla
 
 def test_trace_level_slots_and_keys_run_as_plans_on_a_server_without_code(spec_server, llama_path, hf_llama):
     """nnsight's shared state across invokes written by slot and by key (each invoke its
-    own ``slots[i]`` and ``rows[prompt]``, a number beside them) goes to a default server
+    own ``slots[i]``, ``rows[prompt]`` and inner list, a number beside them) goes to a default server
     as plans (no code), and each invoke's writes come back merged, equal to HF."""
     model = VLLM(llama_path)
     prompts = ["Hello", "The capital of Japan is"]
@@ -715,14 +715,17 @@ def test_trace_level_slots_and_keys_run_as_plans_on_a_server_without_code(spec_s
         counts = [0 for _ in prompts].save()
         rows = dict().save()
         appended = list().save()
+        nested = [list() for _ in prompts].save()
         for i, prompt in enumerate(prompts):
             with tracer.invoke(prompt):
+                nested[i].append(model.model.layers[0].output[0])
                 slots[i] = model.logits
                 counts[i] = i + 1
                 rows[prompt] = model.model.layers[1].output[0][-1]
                 appended.append(model.model.layers[0].output[0])
     assert [o.ran_as for o in tracer.outputs] == ["batched", "batched"]
     assert counts == [1, 2] and list(rows) == prompts and len(appended) == 2
+    assert [len(inner) for inner in nested] == [1, 1] and all(torch.equal(a, b[0]) for a, b in zip(appended, nested))
     for out, prompt, logits, first in zip(tracer.outputs, prompts, slots, appended):
         run = HFRun(hf_llama, list(out.prompt_token_ids)).record("mlp1", hf_llama.model.layers[1].mlp)
         run.record("mlp0", hf_llama.model.layers[0].mlp)  # (a vLLM layer's output[0]: its MLP's output)
