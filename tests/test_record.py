@@ -235,6 +235,22 @@ def test_trace_level_containers_go_back_as_the_block_left_them():
     per_step_inner = _plan("for _ in tracer.iter[:2]:\n    outs[0].append(model.layers[0].output[0])",
                            outs=SharedList([[]]))
     assert isinstance(per_step_inner, Fallback) and "after the prompt" in per_step_inner.why, per_step_inner
+    # beside a step loop only module values may go in: a count kept per step would be the
+    # recording's (two passes of an open-ended loop, every step of a bounded one), not the run's
+    for loop in ("tracer.iter[:]", "tracer.iter[:3]"):
+        counted = _plan(f"for _ in {loop}:\n    counts[0] += 1\n    outs.append(model.logits)",
+                        counts=SharedList([0]), outs=SharedList())
+        assert isinstance(counted, Fallback) and "beside a step loop" in counted.why, counted
+        marked = _plan(f"for _ in {loop}:\n    marks.append(None)\n    model.layers[0].output[0][:] += 1",
+                       marks=SharedList())
+        assert isinstance(marked, Fallback) and "beside a step loop" in marked.why, marked
+    steered = _plan("slots[1] = model.logits\nrows['k'] = [model.layers[1].output[0]]\n"
+                    "for _ in tracer.iter[:]:\n    model.layers[0].output[0][:] += 1",
+                    slots=SharedList([None, None]), rows=SharedDict())
+    assert isinstance(steered, Lowered), steered
+    many = _plan("s[0] = list(range(1000))\nh = model.layers[0].output[0].save()", s=SharedList([None]))
+    words = _plan("s[0] = 'x' * 100000\nh = model.layers[0].output[0].save()", s=SharedList([None]))
+    assert isinstance(many, Fallback) and isinstance(words, Fallback) and "KiB" in words.why, (many, words)
     later = _plan("for _ in tracer.iter[1:2]:\n    slots[0] = model.layers[0].output[0]", slots=SharedList([None]))
     assert isinstance(later, Fallback) and "after the prompt" in later.why, later
     odd = _plan("slots[0] = model.layers[0]", slots=SharedList([None]))

@@ -37,6 +37,7 @@ from .limits import measure
 from .proxies import RecEnvoy, RecTensor, RecTuple, _Expr
 from .rec_tracer import RecTracer
 from .record import Recorder, Unrecordable
+from .tree import leaves
 
 logger = logging.getLogger("vllm.nnsight_plugin")
 _OP = re.compile(r"^ops\[(\d+)\] \(([^)]*)\)(: )?")
@@ -228,6 +229,11 @@ def _assemble(rec: Recorder, namespace: dict[str, Any], before: dict[int, Any] |
         if id(value) in before and not _per_step_list(value, before[id(value)]):
             if _unchanged(value, before[id(value)]):
                 continue  # (nothing to merge: the caller's container stays as it is)
+            if rec.looped and not _reads_added(value, before[id(value)]):
+                # (a step loop's body is recorded for steps a request may not reach, or twice)
+                raise Unrecordable(f"changes {name}, a trace-level container, beside a step loop other than by "
+                                   "putting module values into it (how often the loop runs is known only "
+                                   "when it runs)", None)
             reads, gather = _written(name, value)
             ops.extend(reads)
             lists.append((name, gather))
@@ -267,6 +273,7 @@ def _per_step_list(value: Any, came: Any) -> bool:
 
 
 _IMMUTABLE = (type(None), bool, int, float, str)
+_NOTHING = object()
 
 
 def _structure(value: Any, depth: int = 0) -> Any:
@@ -290,6 +297,26 @@ def _unchanged(value: Any, came: Any, depth: int = 0) -> bool:
     return value is came and type(value) in _IMMUTABLE
 
 
+def _reads_added(value: Any, came: Any, depth: int = 0) -> bool:
+    """Whether all the block did to a container (:func:`_structure` of how it came) is
+    put module values into it: into slots, keys, or appended, inner lists too."""
+    if isinstance(value, (RecTensor, RecTuple)):
+        return True
+    if depth < 8 and isinstance(value, list) and type(came) is list:
+        return len(value) >= len(came) and all(_reads_added(a, b, depth + 1) for a, b in zip(value, came)) \
+            and all(_reads_added(v, _new(v), depth + 1) for v in value[len(came):])
+    if depth < 8 and isinstance(value, dict) and type(came) is dict:
+        return set(came) <= set(value) and all(
+            _reads_added(v, came[k] if k in came else _new(v), depth + 1) for k, v in value.items())
+    return value is came and type(value) in _IMMUTABLE
+
+
+def _new(value: Any) -> Any:
+    """What an item the block added is compared with: an empty list or dict (holding
+    only module values it may be), else nothing it can be."""
+    return [] if type(value) is list else {} if type(value) is dict else _NOTHING
+
+
 def _written(name: str, value: Any) -> tuple[list[tuple[int, dict[str, Any], int]], Gather]:
     """A saved list, or a trace-level list or dict the block wrote into, as it left it:
     a read at the prompt per module value in it, inner lists and dicts too (each read
@@ -300,7 +327,9 @@ def _written(name: str, value: Any) -> tuple[list[tuple[int, dict[str, Any], int
     if len(reads) > MAX_LIST_ITEMS:
         raise Unrecordable(f"reads {len(reads)} values into {name} (a plan reads at most {MAX_LIST_ITEMS})", None)
     kept = gather.kept()
-    if measure(kept)[1] > MAX_KEPT_BYTES or len(kept) > MAX_LIST_ITEMS:  # (a cached plan holds them)
+    count, size = measure(kept)
+    size += sum(len(leaf) for leaf in leaves(kept) if isinstance(leaf, str))
+    if size > MAX_KEPT_BYTES or count > MAX_LIST_ITEMS:  # (a cached plan holds them)
         raise Unrecordable(f"puts more than {MAX_KEPT_BYTES // 1024} KiB or {MAX_LIST_ITEMS} values that are no "
                            f"module's into {name} (the code path's limits measure them)", None)
     return reads, gather

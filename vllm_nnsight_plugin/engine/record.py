@@ -107,6 +107,7 @@ class Recorder:
     step: int = 0  # the step the block's accesses refer to now
     word: str | None = None  # inside an open-ended loop: "all" or "generated"
     in_loop: bool = False
+    looped: bool = False  # a step loop ran (its body recorded once per step, or twice when open-ended)
     after_open: bool = False  # an open-ended loop is over: nothing may be read after it
     seq: int = 0
     edits: list[_Edit] = field(default_factory=list)
@@ -233,7 +234,7 @@ class Recorder:
             self.fail("a step loop inside a step loop")
         if self.after_open:
             self.fail("a step loop after an open-ended step loop")
-        self.in_loop = True
+        self.in_loop = self.looped = True
         try:
             if stop is None:
                 first = self.step if start is None else start
