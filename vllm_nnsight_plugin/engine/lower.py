@@ -198,13 +198,12 @@ def plan_block(rec: Recorder, source: str, filename: str, lineno: int, values: d
         return Fallback(exc.why, exc.line or lineno)
 
 
-def _assemble(rec: Recorder, namespace: dict[str, Any], before: dict[int, Any] | None = None) -> Lowered:
+def _assemble(rec: Recorder, namespace: dict[str, Any], before: dict[int, Any]) -> Lowered:
     """The spec of a recording. ``before``: the trace-level lists and dicts the block
     was given, by id, as they came (what it wrote into them goes back)."""
     ops: list[tuple[int, dict[str, Any], int]] = []  # (access order, op, line)
     caches: list[tuple[int, dict[str, Any], int]] = []
     lists: list[tuple[str, Gather]] = []
-    before = before or {}
     seen: set[int] = set()
     for name, value in namespace.items():
         if name.startswith("__") or id(value) not in rec.saved or rec.saved[id(value)] is not value:
@@ -222,23 +221,20 @@ def _assemble(rec: Recorder, namespace: dict[str, Any], before: dict[int, Any] |
                                   "path": [list(part) for part in value.__nnsight_result_path__]},
                         rec.result_lines.get(id(value), 0)))
             continue
-        items = list(value.values()) if isinstance(value, dict) else value
-        if isinstance(items, list) and any(isinstance(v, RecTensor) and v._pending for v in items):
+        if isinstance(value, list) and any(isinstance(v, RecTensor) and v._pending for v in value):
             raise Unrecordable(f"saves a list ({name}) holding a copy of a module's value that the block edited",
                                None)
-        if id(value) in before and not _per_step_list(value, before[id(value)]):
-            if _unchanged(value, before[id(value)]):
+        came = before.get(id(value))
+        written = id(value) in before and not _per_step_list(value, came)  # (a trace-level container)
+        if written:
+            if _unchanged(value, came):
                 continue  # (nothing to merge: the caller's container stays as it is)
-            if rec.looped and not _reads_added(value, before[id(value)]):
+            if rec.looped and not _reads_added(value, came):
                 # (a step loop's body is recorded for steps a request may not reach, or twice)
                 raise Unrecordable(f"changes {name}, a trace-level container, beside a step loop other than by "
                                    "putting module values into it (how often the loop runs is known only "
                                    "when it runs)", None)
-            reads, gather = _written(name, value)
-            ops.extend(reads)
-            lists.append((name, gather))
-            continue
-        if _read_list(value):
+        if written or _read_list(value):
             reads, gather = _written(name, value)
             ops.extend(reads)
             lists.append((name, gather))
@@ -273,15 +269,16 @@ def _per_step_list(value: Any, came: Any) -> bool:
 
 
 _IMMUTABLE = (type(None), bool, int, float, str)
+_DEPTH = 8  # how deep lists and dicts inside a trace-level container are followed (deeper: code)
 _NOTHING = object()
 
 
 def _structure(value: Any, depth: int = 0) -> Any:
     """Lists and dicts copied all the way down (the items themselves kept): what a
     container held before the block ran, inner lists too."""
-    if depth < 8 and isinstance(value, list):
+    if depth < _DEPTH and isinstance(value, list):
         return [_structure(v, depth + 1) for v in value]
-    if depth < 8 and isinstance(value, dict):
+    if depth < _DEPTH and isinstance(value, dict):
         return {k: _structure(v, depth + 1) for k, v in value.items()}
     return value
 
@@ -290,9 +287,9 @@ def _unchanged(value: Any, came: Any, depth: int = 0) -> bool:
     """Whether the block surely left a container as it came (:func:`_structure`), inner
     ones too. An item that can change in place (a tensor, a tuple holding a list) counts
     as changed: the container goes back and the client's merge compares it."""
-    if depth < 8 and isinstance(value, list) and type(came) is list:
+    if depth < _DEPTH and isinstance(value, list) and type(came) is list:
         return len(value) == len(came) and all(_unchanged(a, b, depth + 1) for a, b in zip(value, came))
-    if depth < 8 and isinstance(value, dict) and type(came) is dict:
+    if depth < _DEPTH and isinstance(value, dict) and type(came) is dict:
         return list(value) == list(came) and all(_unchanged(value[k], came[k], depth + 1) for k in came)
     return value is came and type(value) in _IMMUTABLE
 
@@ -302,10 +299,10 @@ def _reads_added(value: Any, came: Any, depth: int = 0) -> bool:
     put module values into it: into slots, keys, or appended, inner lists too."""
     if isinstance(value, (RecTensor, RecTuple)):
         return True
-    if depth < 8 and isinstance(value, list) and type(came) is list:
+    if depth < _DEPTH and isinstance(value, list) and type(came) is list:
         return len(value) >= len(came) and all(_reads_added(a, b, depth + 1) for a, b in zip(value, came)) \
             and all(_reads_added(v, _new(v), depth + 1) for v in value[len(came):])
-    if depth < 8 and isinstance(value, dict) and type(came) is dict:
+    if depth < _DEPTH and isinstance(value, dict) and type(came) is dict:
         return set(came) <= set(value) and all(
             _reads_added(v, came[k] if k in came else _new(v), depth + 1) for k, v in value.items())
     return value is came and type(value) in _IMMUTABLE
@@ -353,7 +350,7 @@ def _gathered(name: str, value: Any, reads: list[tuple[int, dict[str, Any], int]
             items.append(hidden)
         elif _plain(item):
             items.append(Kept(item))
-        elif depth < 8 and type(item) in (list, dict):  # (an inner list an invoke appended to: outs[i])
+        elif depth < _DEPTH and type(item) in (list, dict):  # (an inner list an invoke appended to: outs[i])
             items.append(_gathered(name, item, reads, depth + 1))
         else:
             what = "value computed from a module's value" if isinstance(item, _Expr) \
@@ -367,9 +364,9 @@ def _plain(value: Any, depth: int = 0) -> bool:
     tuples and dicts of them (no recorded value inside)."""
     if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
         return not isinstance(value, RecTensor)
-    if depth < 8 and type(value) in (list, tuple):
+    if depth < _DEPTH and type(value) in (list, tuple):
         return all(_plain(v, depth + 1) for v in value)
-    if depth < 8 and type(value) is dict:
+    if depth < _DEPTH and type(value) is dict:
         return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
     return False
 
@@ -526,9 +523,9 @@ class Lowerings:
                     guards.refuse_integer_writes(codec.spec_envelope([op]), integer_inputs)
 
             found = first_refused(found.spec["ops"], found.lines, check) or found
-        if cacheable and isinstance(found, Lowered):
-            found.spec["ops"][:] = [self._interned(op) for op in found.spec["ops"]]
         if cacheable:
+            if isinstance(found, Lowered):
+                found.spec["ops"][:] = [self._interned(op) for op in found.spec["ops"]]
             if len(self._cache) >= 256:
                 self._cache.clear()
                 self._ops.clear()
