@@ -342,3 +342,24 @@ def test_the_logits_format_is_the_heads_dtype_and_the_vocabulary(llama_path, mon
     assert fmt(dtype="bfloat16") == (torch.bfloat16, vocab)
     assert fmt(dtype="bfloat16", hf_overrides={"head_dtype": "float32"}) == (torch.float32, vocab)
     assert fmt(dtype="float32", runner="pooling") is None
+
+
+def test_a_block_pool_looks_at_the_blocks_it_hands_out_only_while_some_are_dirty():
+    """Blocks a traced request left with its KV are zeroed when vLLM's own pool hands
+    them out again; a pool with none to look for runs vLLM's ``get_new_blocks`` alone
+    (untraced traffic pays no call there)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from vllm_nnsight_plugin.boundary import kv_blocks
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    blocks = pool.get_new_blocks(7)  # (every block but the null block)
+    assert type(pool) is BlockPool
+    pool.free_blocks(blocks)  # (back to the free queue in this order)
+    kv_blocks._mark_dirty(pool, [blocks[-1].block_id])
+    assert type(pool) is not BlockPool and isinstance(pool, BlockPool)
+    pool.get_new_blocks(6)  # (the clean ones first)
+    assert type(pool) is not BlockPool and not pool.__dict__.get(kv_blocks.PENDING)
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [blocks[-1].block_id]
+    assert pool.__dict__[kv_blocks.PENDING] == [blocks[-1].block_id]  # (zeroed before the next step)
+    assert type(pool) is BlockPool

@@ -27,7 +27,6 @@ def install() -> None:
     for queue in patching.WAITING_QUEUES:
         patching.when_class(queue, whole_prompts.install_queue)
     patching.when_class(patching.KV_CACHE_MANAGER, kv_blocks.install_kv_manager)
-    patching.when_class(patching.BLOCK_POOL, kv_blocks.install_block_pool)
     patching.when_class(patching.SINGLE_TYPE_MANAGER, kv_blocks.install_single_type_manager)
     patching.when_class(patching.RUNNER_V1, kv_blocks.install_runner)
     patching.when_class(patching.RUNNER_V2, kv_blocks.install_runner)

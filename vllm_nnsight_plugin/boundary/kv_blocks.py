@@ -38,11 +38,9 @@ ZERO_ATTR = "nnsight_zero_blocks"  # on a SchedulerOutput: ids the worker zeroes
 
 
 def _held(manager: Any, request: Any) -> tuple[list[int], bool]:
-    """The block ids a traced request holds (none for another request), and whether
-    each is known to be the manager's pool's (a group of another pool, e.g. a
-    host-memory one, is left out; where the groups' pools cannot be told, False)."""
-    if not traced(request):
-        return [], False
+    """The block ids a traced request holds, and whether each is known to be the
+    manager's pool's (a group of another pool, e.g. a host-memory one, is left out;
+    where the groups' pools cannot be told, False)."""
     try:
         groups = manager.get_block_ids(request.request_id)
     except Exception:  # noqa: BLE001 - a request with no blocks (yet)
@@ -66,7 +64,14 @@ def _freed(manager: Any, request: Any, ids: list[int], now: bool) -> None:
         ids = [i for i in ids if i not in free]  # (still held: zeroed once handed out again)
         if not ids:
             return
+    _mark_dirty(pool, ids)
+
+
+def _mark_dirty(pool: Any, ids: Any) -> None:
+    """Blocks to zero when the pool hands them out again: while it has any, the pool's
+    class is one whose ``get_new_blocks`` looks (a pool with none pays no call)."""
     pool.__dict__.setdefault(DIRTY, set()).update(ids)
+    pool.__class__ = patching.subclass_with(type(pool), _LOOKING)  # (a switched pool's class: as it is)
 
 
 def _dropping(original: Callable) -> Callable:
@@ -83,7 +88,7 @@ def _dropping(original: Callable) -> Callable:
             ids.append(blocks[i].block_id)
         out = original(self, request_id, first_block, last_block, *args, **kwargs)
         if ids:  # (a block another holder still counts too: zeroed once it is handed out again)
-            pool.__dict__.setdefault(DIRTY, set()).update(ids)
+            _mark_dirty(pool, ids)
         return out
 
     return drop
@@ -93,6 +98,8 @@ def _freeing(original: Callable, now: bool) -> Callable:
     """``free`` returns the blocks to the pool (``now``); ``pop_blocks_for_free`` hands
     them to vLLM, which returns them after an in-flight step."""
     def free(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if not traced(request):
+            return original(self, request, *args, **kwargs)
         ids, exact = _held(self, request)
         out = original(self, request, *args, **kwargs)
         is_finished = getattr(request, "is_finished", None)
@@ -116,16 +123,24 @@ def _get_new_blocks(original: Callable) -> Callable:
                 if block.block_id in dirty:
                     dirty.discard(block.block_id)
                     pending.append(block.block_id)
+        if not dirty:  # (none left to look for: the pool's own class again)
+            self.__class__ = type(self).__bases__[0]
         return blocks
 
     return get_new_blocks
 
 
+_LOOKING = ((patching.BLOCK_POOL_ALLOCATE, _get_new_blocks),)  # a pool with dirty blocks: its class's wrap
+
+
 def _schedule(original: Callable) -> Callable:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with whole_prompts.scheduling(self):  # (the one wrap of schedule(): both happen here)
-            output = original(self, *args, **kwargs)
         pool = engine_core.scheduler_block_pool(self)
+        if pool is not None and not pool.__dict__.get(RUNNING):  # (no traced request held: none waits)
+            output = original(self, *args, **kwargs)
+        else:
+            with whole_prompts.scheduling(self):  # (the one wrap of schedule(): both happen here)
+                output = original(self, *args, **kwargs)
         pending = pool.__dict__.get(PENDING) if pool is not None else None
         if pending:
             setattr(output, ZERO_ATTR, list(pending))
@@ -157,10 +172,6 @@ def install_kv_manager(manager_cls: type) -> None:
     for name in patching.KV_MANAGER_FREES:
         if hasattr(manager_cls, name):
             patching.patch_method(manager_cls, name, lambda original, n=name: _freeing(original, n == "free"))
-
-
-def install_block_pool(pool_cls: type) -> None:
-    patching.patch_method(pool_cls, patching.BLOCK_POOL_ALLOCATE, _get_new_blocks)
 
 
 def install_single_type_manager(manager_cls: type) -> None:
