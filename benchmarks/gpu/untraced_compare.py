@@ -13,6 +13,8 @@ scheduling any that schedule nothing) and the garbage collector's collections, p
 wall time of unprofiled batches (profiled batches are a batch of their own each). Engine kinds:
 
     stock    vLLM alone (the plugin switched off)
+    imported vLLM alone with every module of the plugin imported (none of its hooks):
+             what its code's presence costs a process, apart from its calls
     loaded   the plugin loaded, no taps: its hooks alone
     taps     the plugin's taps engine (``taps=["model.layers.8.output"]``, lanes on)
     nolanes  the same with its lanes off
@@ -49,6 +51,7 @@ import headline  # noqa: E402  (the model's config and size)
 
 KINDS = {  # kind -> (plugin loaded, nnsight settings or None)
     "stock": (False, None),
+    "imported": (False, None),
     "loaded": (True, None),
     "taps": (True, {"taps": headline.TAPS}),
     "nolanes": (True, {"taps": headline.TAPS, "lanes": False}),
@@ -60,6 +63,14 @@ def _engine(kind: str, memory: float) -> Any:
     import torch
     from vllm import LLM
 
+    if kind == "imported":
+        import importlib
+        import pkgutil
+
+        import vllm_nnsight_plugin
+
+        for module in pkgutil.walk_packages(vllm_nnsight_plugin.__path__, "vllm_nnsight_plugin."):
+            importlib.import_module(module.name)
     settings = KINDS[kind][1]
     extra = {"additional_config": {"nnsight": settings}} if settings else {}
     return LLM(model=headline.MODEL, load_format="dummy", skip_tokenizer_init=True,
