@@ -22,9 +22,10 @@ results may then be missing): ``sched`` (the scheduler and KV-block wraps),
 ``inputs`` (the front end's payload check and salt), ``runner`` (every runner wrap:
 nothing traced runs at all), ``guardjit`` (the guard's kernel launched through
 Triton's JIT each step instead of directly), ``guardtorch`` (the guard as its torch
-ops, without its kernel). A second table gives calls per rep and
-microseconds per call and how many objects the garbage collector tracks each phase
-left behind (net, where no collection ran inside it: what makes collections come);
+ops, without its kernel), ``hooks`` (every method and function the plugin wraps in vLLM:
+``plain~hooks`` beside ``plain`` is what the hooks cost untraced traffic, in one engine).
+A second table gives calls per rep and microseconds per call and how many objects the
+garbage collector tracks each phase left behind (net, where no collection ran inside it: what makes collections come);
 the collector's pauses are timed as ``gc.collect`` rows, and its older generations'
 collections are listed by the phase that was running when they came.
 """
@@ -61,6 +62,9 @@ def main() -> None:
     parser.add_argument("--v1", action="store_true")
     parser.add_argument("--phases", action="store_true")
     parser.add_argument("--reps", type=int, default=3, help="--phases: reps per workload")
+    parser.add_argument("--bare", action="store_true",
+                        help="--phases without the per-phase timers (walls and the collector's pauses only): "
+                             "an ablation whose wraps the timers would otherwise wrap too, timed on equal terms")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.v1:
@@ -82,7 +86,7 @@ def main() -> None:
     for name in ["plain", *args.workloads]:  # warm-up at full batch
         llm.generate(prompts(), sps[name], use_tqdm=False)
     if args.phases:
-        phases(llm, prompts, sps, args.workloads, args.reps)
+        phases(llm, prompts, sps, args.workloads, args.reps, timers=not args.bare)
         return
     for workload in args.workloads:
         print(f"===== {workload} =====", flush=True)
@@ -145,9 +149,36 @@ _ABLATE = {  # part -> (module, class, method) whose plugin wrap a rep swaps for
     "inputs": [("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs")],
     "runner": [("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", m)
                for m in ("execute_model", "prepare_inputs", "sample", "sample_tokens")],
+    "hooks": [],  # (every method and function the plugin wraps in vLLM: see _Ablated)
     "guardjit": [],  # (the guard's kernel launched through Triton's JIT every step: see _Ablated)
     "guardtorch": [],  # (the guard as its torch ops, no kernel: see _Ablated)
 }
+
+
+def _all_hooks() -> list[tuple]:
+    """(owner, name, wrap, vLLM's own) for every method and module function the plugin
+    has wrapped in this process (``boundary.patching.PATCHED``; a name wrapped on a
+    base class counts once, where it sits)."""
+    import importlib
+
+    from vllm_nnsight_plugin.boundary import patching
+
+    swaps, seen = [], set()
+    owners = [(mod, cls, list(methods)) for (mod, cls), methods in patching.PATCHED.items()]
+    owners += [(mod, None, [name]) for (mod, name) in patching.PATCHED_FUNCTIONS]
+    for mod_name, cls_name, methods in owners:
+        try:
+            mod = importlib.import_module(mod_name)
+            owner = mod if cls_name is None else getattr(mod, cls_name)
+        except (ImportError, AttributeError):
+            continue
+        for meth in methods:
+            current = owner.__dict__.get(meth) if cls_name is not None else getattr(owner, meth, None)
+            original = getattr(current, "__nnsight_original__", None)
+            if original is not None and (id(owner), meth) not in seen:
+                seen.add((id(owner), meth))
+                swaps.append((owner, meth, current, original))
+    return swaps
 
 
 class _Ablated:
@@ -166,6 +197,8 @@ class _Ablated:
 
             fused = finite_logits.FiniteLogits.__dict__["_fused"]
             self.swaps.append((finite_logits.FiniteLogits, "_fused", fused, staticmethod(lambda logits: False)))
+        if "hooks" in parts:
+            self.swaps += _all_hooks()
         for part in parts:
             for mod_name, cls_name, meth in _ABLATE[part]:
                 cls = getattr(importlib.import_module(mod_name), cls_name)
@@ -186,7 +219,7 @@ class _Ablated:
             setattr(cls, meth, current)
 
 
-def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
+def phases(llm, prompts, sps, workloads: list[str], reps: int = 3, timers: bool = True) -> None:
     """Seconds per phase per rep (median of ``reps``), plain and each workload alternating."""
     import importlib
     import statistics
@@ -233,7 +266,7 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
     gc.callbacks.append(gc_timer)
 
     names = []
-    for mod_name, cls_name, meth in _PHASES:
+    for mod_name, cls_name, meth in _PHASES if timers else ():
         try:
             mod = importlib.import_module(mod_name)
             cls = mod if cls_name is None else getattr(mod, cls_name)
@@ -248,7 +281,7 @@ def phases(llm, prompts, sps, workloads: list[str], reps: int = 3) -> None:
             setattr(cls, meth, timed(name, cls.__dict__[meth]))
             names.append(name)
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)  # in-process
-    if core is not None:  # the engine loop's step (bound at start-up: wrap the instance's)
+    if core is not None and timers:  # the engine loop's step (bound at start-up: wrap the instance's)
         core.step_fn = timed("EngineCore.step_fn", core.step_fn)
         names.append("EngineCore.step_fn")
     workloads = [w for w in workloads if w != "plain"]  # (plain runs first in every rep)
