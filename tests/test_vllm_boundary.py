@@ -363,3 +363,28 @@ def test_a_block_pool_looks_at_the_blocks_it_hands_out_only_while_some_are_dirty
     assert [b.block_id for b in pool.get_new_blocks(1)] == [blocks[-1].block_id]
     assert pool.__dict__[kv_blocks.PENDING] == [blocks[-1].block_id]  # (zeroed before the next step)
     assert type(pool) is BlockPool
+    # the null block (in a sliding window's tables) and another pool's ids are never handed
+    # out here: they do not keep the pool looking
+    kv_blocks._mark_dirty(pool, [pool.null_block.block_id, 8, 1000])
+    assert type(pool) is BlockPool and not pool.__dict__[kv_blocks.DIRTY]
+    kv_blocks._mark_dirty(pool, [pool.null_block.block_id, blocks[0].block_id])
+    assert pool.__dict__[kv_blocks.DIRTY] == {blocks[0].block_id}
+
+
+def test_a_subclass_of_vllms_block_pool_looks_as_its_base_does():
+    """A pool of a subclass that inherits ``get_new_blocks`` (vLLM's HiSparse pool) takes
+    the same wrap: switching it does not raise, and it switches back to its own class."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.hisparse.block_pool import SharedEventQueueBlockPool
+
+    from vllm_nnsight_plugin.boundary import kv_blocks
+
+    owner = BlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=16)
+    pool = SharedEventQueueBlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=16, event_owner=owner)
+    block = pool.get_new_blocks(1)[0]
+    pool.free_blocks([block])
+    kv_blocks._mark_dirty(pool, [block.block_id])
+    assert isinstance(pool, SharedEventQueueBlockPool) and type(pool) is not SharedEventQueueBlockPool
+    pool.get_new_blocks(3)  # (every free block: the dirty one among them)
+    assert pool.__dict__[kv_blocks.PENDING] == [block.block_id]
+    assert type(pool) is SharedEventQueueBlockPool

@@ -69,7 +69,15 @@ def _freed(manager: Any, request: Any, ids: list[int], now: bool) -> None:
 
 def _mark_dirty(pool: Any, ids: Any) -> None:
     """Blocks to zero when the pool hands them out again: while it has any, the pool's
-    class is one whose ``get_new_blocks`` looks (a pool with none pays no call)."""
+    class is one whose ``get_new_blocks`` looks (a pool with none pays no call). The
+    null block (a sliding window's tables hold it) and ids past the pool's end (another
+    pool's, where a request's groups' pools cannot be told) are never handed out here:
+    left out, or the pool would look for them for good."""
+    null = getattr(getattr(pool, "null_block", None), "block_id", None)
+    size = len(pool.blocks)
+    ids = [i for i in ids if i != null and 0 <= i < size]
+    if not ids:
+        return
     pool.__dict__.setdefault(DIRTY, set()).update(ids)
     pool.__class__ = patching.subclass_with(type(pool), _LOOKING)  # (a switched pool's class: as it is)
 

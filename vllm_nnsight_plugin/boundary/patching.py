@@ -155,14 +155,16 @@ def patch_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> 
 def subclass_with(cls: type, makes: tuple[tuple[str, Callable[[Callable], Callable]], ...]) -> type:
     """A subclass of ``cls`` with the methods ``makes`` names wrapped: an object switched
     to it (``obj.__class__ = ...``) takes the wraps, and no other object of ``cls`` pays a
-    call. Only what :data:`PATCHED` lists for ``cls``. (One subclass per ``cls`` and
-    wraps: made once.)"""
+    call. Only what :data:`PATCHED` lists for the class that defines the method (a
+    subclass of a listed class that inherits it takes the same wrap). (One subclass per
+    ``cls`` and wraps: made once.)"""
     if getattr(cls, _SUBCLASS, False):  # (an object switched already)
         return cls
     namespace: dict[str, Any] = {"__module__": cls.__module__, _SUBCLASS: True}
     for name, make in makes:
-        if name not in PATCHED.get((cls.__module__, cls.__name__), ()):
-            raise LookupError(f"{cls.__module__}.{cls.__name__}.{name} is not listed in boundary.patching.PATCHED")
+        owner = next((c for c in cls.__mro__ if name in c.__dict__), cls)
+        if name not in PATCHED.get((owner.__module__, owner.__name__), ()):
+            raise LookupError(f"{owner.__module__}.{owner.__name__}.{name} is not listed in boundary.patching.PATCHED")
         original = getattr(cls, name)
         namespace[name] = functools.update_wrapper(make(original), original)
     return type(cls.__name__, (cls,), namespace)
