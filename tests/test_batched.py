@@ -661,3 +661,40 @@ def test_the_logits_guard_names_the_rows_that_were_not_finite(dtype):
     assert guard._buffer(200, dtype).host.shape[0] == 200
     assert guard._buffer(100, dtype).host.shape[0] == 512
     assert guard._buffer(256, dtype).host.shape[0] == 256 and not guard._spare
+
+
+SWEEP = [0.5, 1.0, -1.0, 2.0]
+
+
+def test_a_strength_sweep_runs_as_one_edit_and_each_invoke_equals_hf(llama, hf_llama):
+    """Invokes that steer by a strength of their own (``SWEEP[i] * VEC_A``: a plan per
+    invoke, the value in it) are applied as one edit at each step (``joined``), and each
+    invoke's tokens and log-probabilities at every step equal a Hugging Face forward
+    steered by its own strength."""
+    from conftest import HFRun
+
+    llm = llama.vllm_entrypoint
+    before = llm.collective_rpc("nnsight_lane_stats")[0]["joined"]
+    with llama.trace(temperature=0.0, max_tokens=3, logprobs=5) as tracer:
+        for i, prompt in enumerate(PROMPTS[:4]):
+            with tracer.invoke(prompt):
+                for _ in tracer.all():
+                    llama.model.layers[1].output[0][:] += SWEEP[i] * VEC_A
+    outs = tracer.outputs
+    assert [o.ran_as for o in outs] == ["batched"] * 4
+    joined = llm.collective_rpc("nnsight_lane_stats")[0]["joined"] - before
+    assert joined >= 4 * 2, joined  # (every decode step's four edits as one, at least)
+    for out, strength in zip(outs, SWEEP):
+        ids, made = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        for step in range(3):  # (the prompt's step, then decode steps: their rows joined)
+            steered = HFRun(hf_llama, ids + made[:step]).edit(
+                hf_llama.model.layers[1], lambda h, s=strength: h + s * VEC_A).logits()
+            expected = torch.log_softmax(steered[-1].double(), dim=-1)
+            assert made[step] == int(expected.argmax()), (strength, step)
+            seen = out.outputs[0].logprobs[step]
+            assert len(seen) >= 5
+            for token, logprob in seen.items():
+                assert abs(logprob.logprob - expected[token].item()) <= 1e-4, (strength, step, token)
+        clean = torch.log_softmax(HFRun(hf_llama, ids).logits()[-1].double(), dim=-1)
+        steered = HFRun(hf_llama, ids).edit(hf_llama.model.layers[1], lambda h, s=strength: h + s * VEC_A).logits()
+        assert (torch.log_softmax(steered[-1].double(), dim=-1) - clean).abs().max() > 1e-2

@@ -92,14 +92,15 @@ def nnsight_stats(self: Any) -> dict[str, int]:
 def nnsight_lane_stats(self: Any) -> dict[str, int]:
     """Counters since start: location-steps of batched specs served by lanes (inside
     the forward's own kernels) and by Python (the tap op's handler or a hook), code
-    blocks run as batched specs (``lowered``: see :mod:`.lower`), and under tensor
+    blocks run as batched specs (``lowered``: see :mod:`.lower`), edits applied as part of
+    a run of like edits with a value each (``joined``: :mod:`.like_edits`), and under tensor
     parallel the split values this rank put together and their bytes (:mod:`.shards`),
     and the passes that zeroed KV blocks traced requests freed, and their blocks
     (:mod:`.kv_zeroing`)."""
-    from ..engine import lanes, lower, shards
+    from ..engine import lanes, like_edits, lower, shards
     from . import kv_zeroing
 
-    return {**lanes.STATS, **lower.STATS, **shards.STATS, **kv_zeroing.STATS}
+    return {**lanes.STATS, **like_edits.STATS, **lower.STATS, **shards.STATS, **kv_zeroing.STATS}
 
 
 def nnsight_install_edit(self: Any, edit_id: str, name: str | None, payload: str) -> bool:

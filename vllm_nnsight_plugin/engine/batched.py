@@ -27,6 +27,7 @@ from . import arith, lanes
 from .guards import check_writable
 from .host import host_copy, put_rows
 from .lane_plans import LanePlans
+from .like_edits import LikeEdits, in_one_piece
 from .memo import IdentityMemo
 from .plan_ops import (
     LOGITS,
@@ -77,6 +78,7 @@ class BatchedEdits(LanePlans):
         self.late: set[tuple] = set()  # locations with late entries (cache reads: after every edit)
         self._expanded: IdentityMemo[dict[str, Any]] = IdentityMemo()  # spec -> see with_caches
         self._placed: IdentityMemo[tuple[list, list, list]] = IdentityMemo()  # spec -> where its ops register
+        self._like = LikeEdits()  # like edits with a value each, applied as one (see apply)
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int, shared: bool = False) -> None:
         """Register a request's ops (applied in block then spec order per location).
@@ -186,6 +188,7 @@ class BatchedEdits(LanePlans):
         if not self.stale:
             return
         self.stale = False
+        self._like.forget()
         for key in list(self.at):
             alive = [e for e in self.at[key] if e.session.active and not e.session.ended]
             if len(alive) == len(self.at[key]):
@@ -211,17 +214,40 @@ class BatchedEdits(LanePlans):
         groups = self._groups(key)
         if key in self.late:
             groups = [g for g in groups if bool(g[1].op.get("late")) is late]
-        for _, entry, spans, sessions in self._step_picks((key, late), groups, layout):
-            try:
-                if entry.op["op"] in READ_OPS:
-                    self._read(entry.op, value, spans, sessions, rows)
-                    continue
-                self._apply_one(entry.op, value, spans, layout.num_tokens)
-            except Exception as exc:  # noqa: BLE001 - a bad edit ends the requests that sent it
-                if entry.op.get("optional"):
-                    continue  # (a cached module whose value has no row per token: left out)
-                for session in sessions:
-                    session.fail(f"{_where(entry)}: {exc}")
+        for run in self._like.runs((key, late), self._step_picks((key, late), groups, layout)):
+            if len(run) > 1:  # (like edits with a value each: one application, see like_edits)
+                run = self._apply_like((key, late), run, value, layout.num_tokens)
+            for pick in run:
+                self._apply_pick(pick, value, rows, layout.num_tokens)
+
+    def _apply_pick(self, pick: tuple, value: Any, rows: int, num_tokens: int) -> None:
+        _, entry, spans, sessions = pick
+        try:
+            if entry.op["op"] in READ_OPS:
+                self._read(entry.op, value, spans, sessions, rows)
+                return
+            self._apply_one(entry.op, value, spans, num_tokens)
+        except Exception as exc:  # noqa: BLE001 - a bad edit ends the requests that sent it
+            if entry.op.get("optional"):
+                return  # (a cached module whose value has no row per token: left out)
+            for session in sessions:
+                session.fail(f"{_where(entry)}: {exc}")
+
+    def _apply_like(self, where: tuple, run: list[tuple], value: Any, num_tokens: int) -> list[tuple]:
+        """A run of like edits as one (:mod:`.like_edits`); the picks left to apply one by one."""
+        op = run[0][1].op
+        try:
+            check_structure(op, value)
+            target = _per_token_tensor(op, value, num_tokens)
+            check_writable(target, f"{op['module']}.{op.get('io', 'output')}")
+        except Exception:  # noqa: BLE001 - each pick then fails with its own op's error
+            return run
+
+        def fail(pick: tuple, exc: Exception) -> None:
+            for session in pick[3]:
+                session.fail(f"{_where(pick[1])}: {exc}")
+
+        return self._like.apply(where, run, target, lambda o: self._value(o, target), fail)
 
     def _groups(self, key: tuple) -> list[tuple[tuple, Entry, list[RequestSession]]]:
         """A location's entries grouped per (block, op, identical op), in the order they
@@ -451,7 +477,7 @@ class BatchedEdits(LanePlans):
             self._row_indexes.clear()
         spans = sorted(_flat(picked))
         start, end = spans[0][0], spans[-1][1]
-        if sum(e - s for s, e in spans) == end - start:  # contiguous rows: one view
+        if in_one_piece(spans):  # contiguous rows, none twice: one view
             rows: slice | torch.Tensor = slice(start, end)
         else:
             rows = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in spans])).to(device, non_blocking=True)
