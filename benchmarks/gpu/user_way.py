@@ -91,6 +91,20 @@ def steer(model: Any, prompts: list[list[int]], vector: Any) -> list[Any]:
     return tracer.outputs
 
 
+def steer_sweep(model: Any, prompts: list[list[int]], vector: Any) -> list[Any]:
+    """Steering every step with a strength of each invoke's own (a sweep: the value
+    differs per invoke, so every invoke has a plan of its own)."""
+    with model.trace(**SAMPLING) as tracer:
+        for i, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                for step in tracer.iter[:]:  # noqa: B007
+                    model.model.layers[LAYER].output[0][:] += STRENGTHS[i % len(STRENGTHS)] * vector
+    return tracer.outputs
+
+
+STRENGTHS = [0.25 + i / 64 for i in range(256)]  # (one per invoke of the headline's 256)
+
+
 def plugin_runs(model: Any) -> dict[str, Any]:
     """The plugin engine's workloads: untraced traffic on its taps engine, and the traces."""
     from vllm import SamplingParams
@@ -102,7 +116,8 @@ def plugin_runs(model: Any) -> dict[str, Any]:
 
     return {"plain": plain, "prefill": lambda p: prefill(model, p),
             "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p, STEER),
-            "steer_zero": lambda p: steer(model, p, STEER_ZERO)}
+            "steer_zero": lambda p: steer(model, p, STEER_ZERO),
+            "steer_sweep": lambda p: steer_sweep(model, p, STEER)}
 
 
 def nnsight_runs(model: Any) -> dict[str, Any]:
