@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from ..payload.spec import READ_OPS, RESULT, is_single, numbered
@@ -27,7 +26,7 @@ from . import arith, lanes
 from .guards import check_writable
 from .host import host_copy, put_rows
 from .lane_plans import LanePlans
-from .like_edits import LikeEdits, in_one_piece
+from .like_edits import LikeEdits
 from .memo import IdentityMemo
 from .plan_ops import (
     LOGITS,
@@ -42,6 +41,7 @@ from .plan_ops import (
     _where,
     check_structure,
     is_due,
+    row_index,
 )
 from .rowlog import RowLog, TupleLog
 from .rows import per_token
@@ -228,10 +228,14 @@ class BatchedEdits(LanePlans):
                 return
             self._apply_one(entry.op, value, spans, num_tokens)
         except Exception as exc:  # noqa: BLE001 - a bad edit ends the requests that sent it
-            if entry.op.get("optional"):
-                return  # (a cached module whose value has no row per token: left out)
-            for session in sessions:
-                session.fail(f"{_where(entry)}: {exc}")
+            if not entry.op.get("optional"):  # (a cached module whose value has no row per token: left out)
+                self._fail(pick, exc)
+
+    @staticmethod
+    def _fail(pick: tuple, exc: Exception) -> None:
+        """A pick's requests end with its op's error."""
+        for session in pick[3]:
+            session.fail(f"{_where(pick[1])}: {exc}")
 
     def _apply_like(self, where: tuple, run: list[tuple], value: Any, num_tokens: int) -> list[tuple]:
         """A run of like edits as one (:mod:`.like_edits`); the picks left to apply one by one."""
@@ -242,12 +246,7 @@ class BatchedEdits(LanePlans):
             check_writable(target, f"{op['module']}.{op.get('io', 'output')}")
         except Exception:  # noqa: BLE001 - each pick then fails with its own op's error
             return run
-
-        def fail(pick: tuple, exc: Exception) -> None:
-            for session in pick[3]:
-                session.fail(f"{_where(pick[1])}: {exc}")
-
-        return self._like.apply(where, run, target, lambda o: self._value(o, target), fail)
+        return self._like.apply(where, run, target, lambda o: self._value(o, target), self._fail)
 
     def _groups(self, key: tuple) -> list[tuple[tuple, Entry, list[RequestSession]]]:
         """A location's entries grouped per (block, op, identical op), in the order they
@@ -475,12 +474,7 @@ class BatchedEdits(LanePlans):
             return known[1]
         if len(self._row_indexes) > 256:  # (past steps' picks; a step with more groups rebuilds)
             self._row_indexes.clear()
-        spans = sorted(_flat(picked))
-        start, end = spans[0][0], spans[-1][1]
-        if in_one_piece(spans):  # contiguous rows, none twice: one view
-            rows: slice | torch.Tensor = slice(start, end)
-        else:
-            rows = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in spans])).to(device, non_blocking=True)
+        rows = row_index(sorted(_flat(picked)), device)
         self._row_indexes[key] = (picked, rows)
         return rows
 

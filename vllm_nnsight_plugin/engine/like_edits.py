@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from . import arith
-from .plan_ops import _flat
+from .memo import IdentityMemo
+from .plan_ops import _flat, row_index
 
 KINDS = ("add", "set")  # edits whose value differs per invoke (scale's factor and zero have none)
 MAX_ROWS = 4  # a pick of more rows this step (a prompt's) is applied on its own
@@ -44,21 +45,15 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def in_one_piece(spans: list[tuple[int, int]]) -> bool:
-    """Whether sorted row spans follow one another with no gap and no repeat (then the
-    rows are one slice)."""
-    return all(b[0] == a[1] for a, b in zip(spans, spans[1:]))
-
-
 class LikeEdits:
     """The runs of a location's picks, and a run's rows and picked values, kept per
     location for a steady batch (whose picks are the same objects every step): a decode
     step of a steered batch is one kernel per location."""
 
     def __init__(self) -> None:
-        self._keys: dict[int, tuple[dict[str, Any], tuple | None]] = {}  # id(op) -> (op, edit_key)
+        self._keys: IdentityMemo[tuple | None] = IdentityMemo(4096)  # op -> its edit_key
         self._runs: dict[Any, tuple[list[tuple], list[list[tuple]]]] = {}  # location -> (picks, runs)
-        self._built: dict[Any, dict[int, tuple]] = {}  # location -> id(run's first pick) -> what apply built
+        self._built: dict[Any, dict[int, tuple]] = {}  # location -> id(run) -> (run, what apply built)
 
     def forget(self) -> None:
         """Requests ended: nothing kept for their picks (picked values on the device too)."""
@@ -77,7 +72,8 @@ class LikeEdits:
         run_key: tuple | None = None
         seen: set[str] = set()
         for pick in picked:
-            key = self._key(pick[1].op)
+            op = pick[1].op
+            key = self._keys.get(op, lambda op=op: edit_key(op))
             requests = {s.req_id for s in pick[3]}
             if run and key is not None and key == run_key and seen.isdisjoint(requests):
                 run.append(pick)
@@ -89,14 +85,6 @@ class LikeEdits:
         self._built[where] = {}  # (the last picks' runs only)
         return out
 
-    def _key(self, op: dict[str, Any]) -> tuple | None:
-        known = self._keys.get(id(op))
-        if known is None or known[0] is not op:
-            if len(self._keys) > 4096:
-                self._keys.clear()
-            known = self._keys[id(op)] = (op, edit_key(op))
-        return known[1]
-
     def apply(self, where: Any, run: list[tuple], target: torch.Tensor,
               value_of: Callable[[dict[str, Any]], Any], fail: Callable[[tuple, Exception], None]) -> list[tuple]:
         """Apply ``run``'s edits to ``target`` (a location's per-token tensor) as one;
@@ -104,14 +92,11 @@ class LikeEdits:
         whose value cannot join (a number, a shape not one row of the target's, a pick
         of many rows) is returned, to apply on its own; one whose value is bad, or
         whose joined application failed, is ended (``fail``)."""
-        built = self._built.setdefault(where, {})
-        slot = id(run[0])
-        known = built.get(slot)
-        if known is not None and len(known[0]) == len(run) and all(a is b for a, b in zip(known[0], run)):
-            _, rows, operand, joined, alone = known
-        else:
-            rows, operand, joined, alone = self._build(run, target, value_of, fail)
-            built[slot] = (list(run), rows, operand, joined, alone)
+        built = self._built.setdefault(where, {})  # (the runs of this location's last picks: runs())
+        known = built.get(id(run))
+        if known is None or known[0] is not run:
+            known = built[id(run)] = (run, *self._build(run, target, value_of, fail))
+        _, rows, operand, joined, alone = known
         if operand is None:
             return alone
         try:
@@ -122,7 +107,7 @@ class LikeEdits:
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the run's requests end, not the step
             for pick in joined:
                 fail(pick, exc)
-            built.pop(slot, None)
+            built.pop(id(run), None)
             return alone
         STATS["joined"] += len(joined)
         return alone
@@ -151,11 +136,7 @@ class LikeEdits:
             return None, None, [], alone + [pick for pick, _ in joined]
         spans = sorted((start, end, k) for k, (pick, _) in enumerate(joined) for start, end in _flat(pick[2]))
         owner = torch.from_numpy(np.concatenate([np.full(end - start, k) for start, end, k in spans]))
-        if in_one_piece([(start, end) for start, end, _ in spans]):  # (a view)
-            rows: Any = slice(spans[0][0], spans[-1][1])
-        else:
-            rows = torch.from_numpy(np.concatenate([np.arange(s, e) for s, e, _ in spans]))
-            rows = rows.to(target.device, non_blocking=True)
+        rows = row_index([(start, end) for start, end, _ in spans], target.device)
         stacked = torch.stack([row for _, row in joined])
         operand = stacked.index_select(0, owner.to(stacked.device, non_blocking=True))
         return rows, operand, [pick for pick, _ in joined], alone

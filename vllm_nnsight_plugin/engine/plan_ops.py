@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from .rows import per_token
@@ -98,6 +99,15 @@ def _chunk_rows(span: tuple[int, int], positions: list[int] | int, chunk: Chunk)
 
 class Rows(tuple):
     """A request's rows an op picks with ``positions`` (row numbers in the batch)."""
+
+
+def row_index(spans: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
+    """Sorted row spans as one slice where they follow one another (no gap, and no row
+    twice: ``positions: [0, -1]`` at a decode step names its row twice), else one index
+    tensor on ``device`` (built with numpy, uploaded without waiting)."""
+    if all(b[0] == a[1] for a, b in zip(spans, spans[1:])):
+        return slice(spans[0][0], spans[-1][1])
+    return torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in spans])).to(device, non_blocking=True)
 
 
 def _flat(spans: list[Any]) -> list[tuple[int, int]]:
