@@ -227,9 +227,9 @@ def _assemble(rec: Recorder, namespace: dict[str, Any], before: dict[int, Any]) 
         came = before.get(id(value))
         written = id(value) in before and not _per_step_list(value, came)  # (a trace-level container)
         if written:
-            if _unchanged(value, came):
+            if _as_came(value, came):
                 continue  # (nothing to merge: the caller's container stays as it is)
-            if rec.looped and not _reads_added(value, came):
+            if rec.looped and not _as_came(value, came, reads=True):
                 # (a step loop's body is recorded for steps a request may not reach, or twice)
                 raise Unrecordable(f"changes {name}, a trace-level container, beside a step loop other than by "
                                    "putting module values into it (how often the loop runs is known only "
@@ -283,28 +283,21 @@ def _structure(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def _unchanged(value: Any, came: Any, depth: int = 0) -> bool:
+def _as_came(value: Any, came: Any, reads: bool = False, depth: int = 0) -> bool:
     """Whether the block surely left a container as it came (:func:`_structure`), inner
-    ones too. An item that can change in place (a tensor, a tuple holding a list) counts
-    as changed: the container goes back and the client's merge compares it."""
-    if depth < _DEPTH and isinstance(value, list) and type(came) is list:
-        return len(value) == len(came) and all(_unchanged(a, b, depth + 1) for a, b in zip(value, came))
-    if depth < _DEPTH and isinstance(value, dict) and type(came) is dict:
-        return list(value) == list(came) and all(_unchanged(value[k], came[k], depth + 1) for k in came)
-    return value is came and type(value) in _IMMUTABLE
-
-
-def _reads_added(value: Any, came: Any, depth: int = 0) -> bool:
-    """Whether all the block did to a container (:func:`_structure` of how it came) is
-    put module values into it: into slots, keys, or appended, inner lists too."""
-    if isinstance(value, (RecTensor, RecTuple)):
+    ones too; ``reads``: or only put module values into it (into slots, under new keys,
+    appended, inner lists too). An item that can change in place (a tensor, a tuple
+    holding a list) counts as changed: the container goes back and the client's merge
+    compares it."""
+    if reads and isinstance(value, (RecTensor, RecTuple)):
         return True
     if depth < _DEPTH and isinstance(value, list) and type(came) is list:
-        return len(value) >= len(came) and all(_reads_added(a, b, depth + 1) for a, b in zip(value, came)) \
-            and all(_reads_added(v, _new(v), depth + 1) for v in value[len(came):])
+        return (len(value) >= len(came) if reads else len(value) == len(came)) \
+            and all(_as_came(a, b, reads, depth + 1) for a, b in zip(value, came)) \
+            and all(_as_came(v, _new(v), reads, depth + 1) for v in value[len(came):])
     if depth < _DEPTH and isinstance(value, dict) and type(came) is dict:
-        return set(came) <= set(value) and all(
-            _reads_added(v, came[k] if k in came else _new(v), depth + 1) for k, v in value.items())
+        return (set(came) <= set(value) if reads else list(value) == list(came)) and all(
+            _as_came(v, came[k] if k in came else _new(v), reads, depth + 1) for k, v in value.items())
     return value is came and type(value) in _IMMUTABLE
 
 
