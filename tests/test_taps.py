@@ -25,7 +25,7 @@ PROMPT = "The Eiffel Tower is in"
 @pytest.fixture(scope="module")
 def tapped(llama_path: str):
     kwargs = {"compilation_config": COMPILATION} if COMPILATION else {}
-    model = VLLM(llama_path, dispatch=True, taps=TAPS, dtype="float32", max_model_len=512, max_num_seqs=16,
+    model = VLLM(llama_path, dispatch=True, taps=TAPS, dtype="float32", max_model_len=512, max_num_seqs=24,
                  seed=0, **kwargs, **ENGINE_KWARGS)
     yield model
     model.shutdown()
@@ -247,6 +247,39 @@ def test_a_linear_steered_at_its_tap_runs_in_the_lanes(tapped, hf_llama):
         for step, token in enumerate(out.outputs[0].token_ids):
             assert token == int(want[n - 1 + step].argmax())
             assert abs(out.outputs[0].logprobs[step][token].logprob - float(want[n - 1 + step, token])) < 1e-4
+
+
+def test_a_strength_sweep_of_twenty_invokes_runs_in_the_lanes(tapped, hf_llama):
+    """Twenty invokes, each steering by a strength of its own (twenty distinct edits at
+    one tapped tensor in every decode step): the lanes serve them all, none through
+    Python, and each invoke's tokens and log-probabilities equal a Hugging Face forward
+    steered by its own strength."""
+    from conftest import HFRun
+    from test_batched import VEC_A
+
+    strengths = [0.25 * (i + 1) * (-1) ** i for i in range(20)]
+    llm = tapped.vllm_entrypoint
+    before = _lane_stats(llm)
+    with tapped.trace(temperature=0.0, max_tokens=3, logprobs=3, ignore_eos=True) as tracer:
+        for strength in strengths:
+            with tracer.invoke(PROMPT):
+                for _ in tracer.all():
+                    tapped.model.layers[1].output[0][:] += strength * VEC_A
+    outs = tracer.outputs
+    after = _lane_stats(llm)
+    assert [o.ran_as for o in outs] == ["batched"] * 20
+    assert after["lane"] >= before["lane"] + 2 and after["python"] == before["python"], (before, after)
+    ids = list(outs[0].prompt_token_ids)
+    for out, strength in zip(outs, strengths):
+        made = list(out.outputs[0].token_ids)
+        for step in range(3):
+            steered = HFRun(hf_llama, ids + made[:step]).edit(
+                hf_llama.model.layers[1], lambda h, s=strength: h + s * VEC_A).logits()
+            expected = torch.log_softmax(steered[-1].double(), dim=-1)
+            assert made[step] == int(expected.argmax()), (strength, step)
+            for token, logprob in out.outputs[0].logprobs[step].items():
+                assert abs(logprob.logprob - expected[token].item()) <= 1e-4, (strength, step, token)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # (the strengths steer apart)
 
 
 def _lane_stats(llm) -> dict:

@@ -66,9 +66,8 @@ class LanePlans:
                     ops = tuple(entry.op for _, entry, _, _ in groups)
                     if len(ops) != len(lane.slot_keys) or any(a is not b for a, b in zip(ops, lane.slot_keys)):
                         lane.slot_keys = ()
-                        for slot, op in enumerate(ops, 1):
-                            value = self._value(op, lane.read) if op["op"] in ("add", "set") else None
-                            lane.set_slot(slot, op["op"], value, float(op.get("factor", 1.0)))
+                        lane.set_slots([(op["op"], self._value(op, lane.read) if op["op"] in ("add", "set") else None,
+                                         float(op.get("factor", 1.0))) for op in ops])
                         lane.slot_keys = ops
                     tables.append((part, lane.set_rows([(start, end, slot) for slot, (_, _, spans, _)
                                                         in enumerate(groups, 1) for start, end in _flat(spans)])))
@@ -137,7 +136,7 @@ class LanePlans:
     def _lane_plan(self, key: tuple) -> tuple | None:
         """The lanes' plan for a location's active entries, or None when they cannot
         serve them: no lanes there, two edits of one request's tensor, a read
-        ordered before an edit of its tensor, more than lanes.SLOTS distinct edits, a
+        ordered before an edit of its tensor, more distinct edits than a lane has rows, a
         value split across tensor-parallel ranks (the tap op's Python puts it together)."""
         found = self.inter.lane_site(key)
         if found is None or self.inter.splits.of(key) is not None:
@@ -168,6 +167,6 @@ class LanePlans:
                     return None
                 edited.add((part, session.req_id))
             edits.setdefault(part, []).append(group)
-            if len(edits[part]) > lanes.SLOTS:
+            if len(edits[part]) > parts[part].rows:
                 return None
         return parts, code, edits, reads

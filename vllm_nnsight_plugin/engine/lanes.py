@@ -8,7 +8,9 @@ fills before the step, so the step keeps the full graph.
 
 Per tapped tensor (a *part*: ``output[0]`` of a decoder layer) a lane holds a
 slot per row of the batch (``sel``; 0 leaves the row untouched) and, per slot,
-a mask, a keep flag, a scale and an offset:
+a mask, a keep flag, a scale and an offset (as many slots as the lane has rows, so
+every request of a step can carry an edit of its own: a strength sweep, a steering
+vector per prompt):
 
     y = where(keep[sel], x * scale[sel] + offset[sel], offset[sel])
     x[:] = where(mask[sel], y, x);  read[:n] = x
@@ -42,8 +44,6 @@ import numpy as np
 import torch
 
 from . import arith
-
-SLOTS = 16  # distinct edit operations per tapped tensor per step (slot 0: untouched rows)
 
 _cap = 0  # rows a lane holds (vLLM's largest CUDA-graph batch); 0: lanes off
 _sites: dict[str, list[PartLane | None]] = {}  # tap site -> a lane per tensor of its value
@@ -83,10 +83,11 @@ class PartLane:
         ones = (1,) * len(inner)
         self.rows, self.dtype, self.inner = rows, like.dtype, inner
         self.sel = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.mask = torch.zeros((SLOTS + 1, *ones), dtype=torch.bool, device=device)
-        self.keep = torch.zeros((SLOTS + 1, *ones), dtype=torch.bool, device=device)
-        self.scale = torch.ones((SLOTS + 1, *ones), dtype=torch.float32, device=device)
-        self.offset = torch.zeros((SLOTS + 1, *inner), dtype=torch.float32, device=device)
+        # (slot 0 untouched, then one per row: a step has at most a distinct edit per row)
+        self.mask = torch.zeros((rows + 1, *ones), dtype=torch.bool, device=device)
+        self.keep = torch.zeros((rows + 1, *ones), dtype=torch.bool, device=device)
+        self.scale = torch.ones((rows + 1, *ones), dtype=torch.float32, device=device)
+        self.offset = torch.zeros((rows + 1, *inner), dtype=torch.float32, device=device)
         self.read = torch.zeros((rows, *inner), dtype=like.dtype, device=device)
         pin = device.type == "cuda"
         self._staging = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -141,16 +142,35 @@ class PartLane:
             self._events[i] = torch.cuda.Event()
             self._events[i].record()
 
-    def set_slot(self, slot: int, kind: str, value: arith.Operand | None, factor: float = 1.0) -> None:
-        """Slot ``slot`` does ``kind`` (see the module docstring)."""
-        keep, scale, offset = arith.lane_coefficients(kind, value, factor)
-        self.mask[slot].fill_(True)
-        self.keep[slot].fill_(keep)
-        self.scale[slot].fill_(scale)
-        if isinstance(offset, float):
-            self.offset[slot].fill_(offset)
-        else:
-            self.offset[slot].copy_(offset.float().reshape(-1, *self.inner)[0] if offset.dim() else offset.float())
+    def set_slots(self, edits: list[tuple[str, arith.Operand | None, float]]) -> None:
+        """Slots 1..n do ``edits[i - 1]`` = ``(kind, value, factor)`` (see the module
+        docstring). A handful of copies whatever n (a sweep fills hundreds of slots):
+        the flags and numbers from the host, the tensor offsets stacked on the device."""
+        n = len(edits)
+        if not n:
+            return
+        if n > self.rows:
+            raise ValueError(f"{n} distinct edits for a lane of {self.rows} slots")
+        ones = (1,) * len(self.inner)
+        coefficients = [arith.lane_coefficients(kind, value, factor) for kind, value, factor in edits]
+        device = self.offset.device
+        keep = torch.tensor([c[0] for c in coefficients], dtype=torch.bool)
+        scale = torch.tensor([c[1] for c in coefficients], dtype=torch.float32)
+        numbers = torch.tensor([c[2] if isinstance(c[2], float) else 0.0 for c in coefficients], dtype=torch.float32)
+        self.mask[1 : n + 1].fill_(True)
+        self.keep[1 : n + 1].copy_(keep.view(n, *ones).to(device))
+        self.scale[1 : n + 1].copy_(scale.view(n, *ones).to(device))
+        self.offset[1 : n + 1].copy_(numbers.to(device).view(n, *ones).expand(n, *self.inner))
+        tensors = [(slot, c[2]) for slot, c in enumerate(coefficients, 1) if not isinstance(c[2], float)]
+        if tensors:
+            rows = torch.stack([self._offset_row(offset) for _, offset in tensors])
+            where = torch.tensor([slot for slot, _ in tensors], dtype=torch.int64).to(device)
+            self.offset.index_copy_(0, where, rows)
+
+    def _offset_row(self, offset: torch.Tensor) -> torch.Tensor:
+        """One slot's offset: a value's single row (or a 0-dim one), broadcast to a row, in fp32."""
+        row = offset.float().reshape(-1, *self.inner)[0] if offset.dim() else offset.float()
+        return row.to(self.offset.device).expand(self.inner)
 
     def done(self) -> None:
         """End of the step. Untraced steps replay these kernels too, so sel goes back to
