@@ -251,8 +251,7 @@ def test_a_linear_steered_at_its_tap_runs_in_the_lanes(tapped, hf_llama):
 
 def test_a_strength_sweep_of_twenty_invokes_runs_in_the_lanes(tapped, hf_llama):
     """Twenty invokes, each steering by a strength of its own (twenty distinct edits at
-    one tapped tensor in every decode step): the lanes serve them all, none through
-    Python, and each invoke's tokens and log-probabilities equal a Hugging Face forward
+    one tapped tensor in every decode step): the lanes serve every decode step, and each invoke's tokens and log-probabilities equal a Hugging Face forward
     steered by its own strength."""
     from conftest import HFRun
     from test_batched import VEC_A
@@ -268,7 +267,9 @@ def test_a_strength_sweep_of_twenty_invokes_runs_in_the_lanes(tapped, hf_llama):
     outs = tracer.outputs
     after = _lane_stats(llm)
     assert [o.ran_as for o in outs] == ["batched"] * 20
-    assert after["lane"] >= before["lane"] + 2 and after["python"] == before["python"], (before, after)
+    # every decode step in the lanes; the prompts' step (twenty prompts) too where it fits
+    # vLLM's largest graph batch (the CPU's 512), else through Python (a GPU's 48 here)
+    assert after["lane"] >= before["lane"] + 2 and after["python"] <= before["python"] + 1, (before, after)
     ids = list(outs[0].prompt_token_ids)
     for out, strength in zip(outs, strengths):
         made = list(out.outputs[0].token_ids)
