@@ -251,8 +251,9 @@ def test_a_linear_steered_at_its_tap_runs_in_the_lanes(tapped, hf_llama):
 
 def test_a_strength_sweep_of_twenty_invokes_runs_in_the_lanes(tapped, hf_llama):
     """Twenty invokes, each steering by a strength of its own (twenty distinct edits at
-    one tapped tensor in every decode step): the lanes serve every decode step, and each invoke's tokens and log-probabilities equal a Hugging Face forward
-    steered by its own strength."""
+    one tapped tensor in every decode step): the lanes serve every decode step, and
+    each invoke's tokens and log-probabilities equal a Hugging Face forward steered by
+    its own strength."""
     from conftest import HFRun
     from test_batched import VEC_A
 
