@@ -278,6 +278,23 @@ def test_invokes_of_one_body_and_values_encode_once_and_edits_are_seen():
     assert codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v, "n": 3})) != changed
 
 
+def test_a_payload_is_reused_only_for_the_same_numbers():
+    """Numbers key the memo by their bits and lists of numbers by their contents: a
+    sweep's coefficient list repeats its payload only where every number is the same
+    (``-0.0`` is not ``0.0``, ``1`` is not ``1.0``)."""
+    def text(**values):
+        return codec.encode_code(codec.CodePayload("x = c", "f.py", 3, values))
+
+    coefs = [0.25 + i / 64 for i in range(256)]
+    first = text(c=coefs, i=3)
+    assert text(c=list(coefs), i=3) is first and text(c=coefs, i=4) != first
+    assert text(c=[*coefs[:-1], 9.0], i=3) != first
+    assert text(c=-0.0) != text(c=0.0) and text(c=1) != text(c=1.0) and text(c=[1, 2]) != text(c=[1.0, 2])
+    assert text(c=(1, "a", None, b"x")) is text(c=(1, "a", None, b"x")) != text(c=[1, "a", None, b"x"])
+    loaded = codec.load_code(codec.parse_envelope(text(c=-0.0)), lambda ref: None).values["c"]
+    assert str(loaded) == "-0.0"
+
+
 def test_operator_settings_parse_in_one_place(monkeypatch):
     """--additional-config's nnsight section, each key falling back to its environment
     variable (the section wins); a number that is not one names its key."""

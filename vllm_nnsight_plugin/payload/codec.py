@@ -102,21 +102,29 @@ _ENCODED: dict[tuple, tuple[str, list[Any]]] = {}  # recent payloads: key -> (te
 _MEMO_SIZE = 16
 
 
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
 def _value_key(value: Any, held: list[Any]) -> Any:
     """What a value encodes to, as a hashable key; None when unknown (no memo). A
     tensor counts by identity and in-place version: ``held`` keeps it alive so its id
-    cannot be reused while a payload made from it is remembered."""
-    if value is None or type(value) in (bool, int, float, str, bytes):
-        return (type(value).__name__, value)
+    cannot be reused while a payload made from it is remembered. Floats count by their
+    bits (``-0.0`` is not ``0.0``); a list of plain scalars (a sweep's coefficients) by
+    its pickle, one pass in C instead of a key per element."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return (kind.__name__, value.hex() if kind is float else value)
     if isinstance(value, torch.Tensor):
         held.append(value)
         return ("t", id(value), value._version, value.data_ptr(), tuple(value.shape), value.dtype, value.device)
     ref = _nnsight_ref(value)
     if ref is not None:
         return ("r", ref)
-    if type(value) in (list, tuple, SharedList):
+    if kind in (list, tuple, SharedList):
+        if all(type(v) in _SCALARS for v in value):
+            return (kind.__name__, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         keys = tuple(_value_key(v, held) for v in value)
-        return None if any(k is None for k in keys) else (type(value).__name__, keys)
+        return None if any(k is None for k in keys) else (kind.__name__, keys)
     return None
 
 
@@ -240,11 +248,24 @@ def _parse(raw: str, max_width: int | None) -> dict[str, Any]:
         base64.b64decode(env["values"], validate=True)
     except ValueError:
         raise PayloadError("payload field 'values' is not valid base64") from None
-    try:
-        ast.parse(env["source"], env["filename"])
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-        raise PayloadError(f"payload source does not compile: {type(exc).__name__}: {exc}") from None
+    source, filename = env["source"], env["filename"]
+    problem = (_kept_source_problem if len(source) <= LARGE_PAYLOAD else _source_problem)(source, filename)
+    if problem is not None:
+        raise PayloadError(problem)
     return env
+
+
+def _source_problem(source: str, filename: str) -> str | None:
+    """Why a block's source does not parse, or None."""
+    try:
+        ast.parse(source, filename)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        return f"payload source does not compile: {type(exc).__name__}: {exc}"
+    return None
+
+
+# (kept by text: invokes that differ only in their values, a sweep, send one source many times)
+_kept_source_problem = functools.lru_cache(maxsize=256)(_source_problem)
 
 
 def load_code(env: dict[str, Any], resolve: Callable[[tuple], Any]) -> CodePayload:
