@@ -8,8 +8,8 @@ str/int/float values)::
      "lineno": 12, "values": "<base64 cloudpickle of the names the block reads>"}
 
 Only the names the block reads travel, never the module tree: envoys, the model
-and the tracer are pickled as persistent references (``("envoy", path)``) that the
-worker resolves to its own objects, so the size is flat in model depth.
+and the tracer are pickled as references (``("envoy", path)``) that the worker
+resolves to its own objects, so the size is flat in model depth.
 
 Results: a JSON-safe dict under ``RequestOutput.kv_transfer_params["nnsight"]``::
 
@@ -76,12 +76,26 @@ class SharedDict(dict):
 
 
 class _RefPickler(cloudpickle.CloudPickler):
+    """Pickles a block's values; the client's model, envoys and tracer go as a call of
+    :func:`_ref` with their reference, which the engine's unpickler resolves. Through
+    ``reducer_override``, which pickle skips for numbers, strings and plain containers
+    (``persistent_id`` would run for each of a sweep's 256 coefficients)."""
+
     def __init__(self, file: io.BytesIO, ref_of: Callable[[Any], tuple | None]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._ref_of = ref_of
 
-    def persistent_id(self, obj: Any) -> tuple | None:  # noqa: D102
-        return self._ref_of(obj)
+    def reducer_override(self, obj: Any) -> Any:  # noqa: D102
+        ref = self._ref_of(obj)
+        if ref is not None:
+            return _ref, tuple(ref)
+        return super().reducer_override(obj)
+
+
+def _ref(*ref: Any) -> Any:
+    """A reference to the client's model, an envoy or the tracer: only the engine's
+    unpickler (:class:`_RefUnpickler`) resolves it."""
+    raise PayloadError(f"{ref!r} refers to the client's model: it is resolved only in the engine")
 
 
 class _RefUnpickler(pickle.Unpickler):
@@ -89,7 +103,15 @@ class _RefUnpickler(pickle.Unpickler):
         super().__init__(file)
         self._resolve = resolve
 
-    def persistent_load(self, pid: Any) -> Any:  # noqa: D102
+    def find_class(self, module: str, name: str) -> Any:  # noqa: D102
+        if module == __name__ and name == "_ref":
+            return self._resolved
+        return super().find_class(module, name)
+
+    def _resolved(self, *ref: Any) -> Any:
+        return self._resolve(ref)
+
+    def persistent_load(self, pid: Any) -> Any:  # noqa: D102 - references as clients before 2026-12-07 sent them
         return self._resolve(tuple(pid))
 
 
@@ -248,8 +270,12 @@ def _parse(raw: str, max_width: int | None) -> dict[str, Any]:
         base64.b64decode(env["values"], validate=True)
     except ValueError:
         raise PayloadError("payload field 'values' is not valid base64") from None
-    source, filename = env["source"], env["filename"]
-    problem = (_kept_source_problem if len(source) <= LARGE_PAYLOAD else _source_problem)(source, filename)
+    # (kept by text where the payload is kept: a sweep's invokes send one source many times)
+    check = _kept_source_problem if len(raw) <= LARGE_PAYLOAD else _source_problem
+    try:
+        problem = check(env["source"], env["filename"])
+    except (RecursionError, MemoryError) as exc:  # (not kept: this process's state, not the text's)
+        problem = f"payload source does not compile: {type(exc).__name__}: {exc}"
     if problem is not None:
         raise PayloadError(problem)
     return env
@@ -259,12 +285,11 @@ def _source_problem(source: str, filename: str) -> str | None:
     """Why a block's source does not parse, or None."""
     try:
         ast.parse(source, filename)
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+    except (SyntaxError, ValueError) as exc:
         return f"payload source does not compile: {type(exc).__name__}: {exc}"
     return None
 
 
-# (kept by text: invokes that differ only in their values, a sweep, send one source many times)
 _kept_source_problem = functools.lru_cache(maxsize=256)(_source_problem)
 
 
