@@ -51,7 +51,7 @@ def test_every_path_equals_eager_torch_on_non_finite_rows(dtype, kind, operand):
 
     python = arith.apply(kind, x.clone(), value if kind in ("add", "set") else None, factor)
     lane = lanes.PartLane(x, rows=8)
-    lane.set_slots([(kind, value if kind in ("add", "set") else None, factor)])
+    lane.set_slots([lane.coefficients(kind, value if kind in ("add", "set") else None, factor)])
     lane.set_rows([(0, 6, 1)])
     laned = x.clone()
     lane.kernels(laned)
@@ -69,7 +69,7 @@ def test_every_path_equals_eager_torch_on_non_finite_rows(dtype, kind, operand):
 def test_rows_a_lane_does_not_pick_are_left_bit_for_bit():
     x = _rows(torch.float32)
     lane = lanes.PartLane(x, rows=8)
-    lane.set_slots([("zero", None, 1.0)])
+    lane.set_slots([lane.coefficients("zero", None, 1.0)])
     lane.set_rows([(1, 2, 1)])
     out = x.clone()
     lane.kernels(out)
@@ -89,8 +89,8 @@ def test_a_lane_gives_every_row_an_edit_of_its_own():
              ("set", 0.25 * i, 1.0) if i % 4 == 1 else ("scale", None, 0.5 + i / 10) if i % 4 == 2 else
              ("zero", None, 1.0) for i in range(40)]
     lane = lanes.PartLane(x, rows=40)
-    lane.set_slots([(kind, arith.operand(v.tolist(), x) if isinstance(v, torch.Tensor) else
-                     (arith.operand(v, x) if v is not None else None), f) for kind, v, f in kinds])
+    lane.set_slots([lane.coefficients(kind, arith.operand(v.tolist(), x) if isinstance(v, torch.Tensor) else
+                                      (arith.operand(v, x) if v is not None else None), f) for kind, v, f in kinds])
     lane.set_rows([(i, i + 1, i + 1) for i in range(40)])
     out = x.clone()
     lane.kernels(out)
@@ -98,7 +98,25 @@ def test_a_lane_gives_every_row_an_edit_of_its_own():
         want = _eager(kind, x[i : i + 1].float(), v, f).to(x.dtype)
         assert torch.equal(out[i : i + 1].view(torch.int16), want.view(torch.int16)), (i, kind)
     with pytest.raises(ValueError, match="41 distinct edits for a lane of 40 slots"):
-        lane.set_slots([("zero", None, 1.0)] * 41)
+        lane.set_slots([lane.coefficients("zero", None, 1.0)] * 41)
+    assert lanes.PartLane(x, rows=40, slots=8).offset.shape == (9, 8)  # (a step's requests bound them)
+
+
+def test_a_lane_broadcasts_a_value_as_eager_torch_does():
+    """A value broadcast over a row as eager PyTorch broadcasts it (one number in a
+    list, a row of a 3 x 500 tensor, a leading 1), and refused where eager refuses
+    (another width), instead of cut to its first row."""
+    x = torch.randn(4, 3, 500, generator=torch.Generator().manual_seed(2))
+    lane = lanes.PartLane(x, rows=4)
+    for value in ([0.5], torch.linspace(-1, 1, 500).tolist(), torch.ones(1, 3, 500).tolist()):
+        operand = arith.operand(value, x)
+        lane.set_slots([lane.coefficients("add", operand, 1.0)])
+        lane.set_rows([(0, 4, 1)])
+        out = x.clone()
+        lane.kernels(out)
+        assert torch.equal(out, x + torch.tensor(value).reshape(torch.tensor(value).shape))
+    with pytest.raises(RuntimeError):
+        lane.coefficients("add", arith.operand(torch.ones(1000).tolist(), x), 1.0)
 
 
 def test_operands_refuse_non_finite_values():
@@ -119,8 +137,8 @@ def _fused_against_torch_ops(dtype: torch.dtype, device: str) -> None:
     x = x.to(dtype=dtype, device=device)
     lane = lanes.PartLane(x, rows=16)
     vec = arith.operand(torch.linspace(-2, 2, 1500).reshape(3, 500).tolist(), x)
-    lane.set_slots([("add", vec, 1.0), ("scale", None, 0.3), ("zero", None, 1.0), ("set", vec, 1.0),
-                    ("set", 0.1, 1.0), ("add", 0.1, 1.0)])
+    lane.set_slots([lane.coefficients(*edit) for edit in [("add", vec, 1.0), ("scale", None, 0.3), ("zero", None, 1.0),
+                                                          ("set", vec, 1.0), ("set", 0.1, 1.0), ("add", 0.1, 1.0)]])
     lane.set_rows([(0, 2, 1), (2, 3, 2), (4, 5, 3), (5, 7, 4), (8, 9, 5), (9, 11, 6)])  # rows 3, 7, 11: none
     by_ops, fused = x.clone(), x.clone()
     lane.kernels(by_ops)
@@ -171,7 +189,8 @@ def test_a_gpu_lane_runs_the_fused_kernel_inside_a_cuda_graph():
         with torch.cuda.graph(graph):
             lanes.run(site, static)
         assert sum(len(cache[0]) for cache in lane_kernel.kernel().device_caches.values()) == builds
-        lane.set_slots([("add", arith.operand(torch.linspace(-2, 2, 1500).reshape(3, 500).tolist(), xs[0]), 1.0)])
+        lane.set_slots([lane.coefficients("add", arith.operand(torch.linspace(-2, 2, 1500).reshape(3, 500).tolist(),
+                                                               xs[0]), 1.0)])
         lane.set_rows([(2, 5, 1)])
         for x, y in zip(static, xs):
             x.copy_(y)

@@ -284,6 +284,23 @@ def test_a_strength_sweep_of_twenty_invokes_runs_in_the_lanes(tapped, hf_llama):
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # (the strengths steer apart)
 
 
+def test_a_value_of_another_width_ends_only_its_request_in_the_lanes(tapped):
+    """One request's steering value does not fit the tapped tensor (twice its width);
+    beside it a good steering request and an untraced one: only the bad request ends,
+    with eager PyTorch's error, and the others equal the same batch without it."""
+    from test_batched import VEC_A, _params, _seen, _spec
+
+    llm = tapped.vllm_entrypoint
+    prompts = ["The capital of Japan is", "Hello world!", "One two three four"]
+    bad = _spec(torch.linspace(-1, 1, 256))
+    outs = generate_together(llm, prompts, [_params(bad), _params(_spec(VEC_A)), _params()])
+    with pytest.raises(InterventionError, match="size|broadcast|shape"):
+        results(outs[0])
+    alone = generate_together(llm, prompts, [_params(), _params(_spec(VEC_A)), _params()])
+    assert _seen(outs)[1:] == _seen(alone)[1:]
+    assert results(outs[1]) == {} and outs[1].ran_as == "batched"
+
+
 def _lane_stats(llm) -> dict:
     return llm.collective_rpc("nnsight_lane_stats")[0]
 

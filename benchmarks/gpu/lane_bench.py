@@ -76,7 +76,7 @@ def _one(lanes: Any, fused: Any, rows: int, args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
     kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) // args.tensors
     # the same with a slot in use (a steering step): the tables differ, the graph is the same
-    parts[0].set_slots([("add", torch.ones(args.width, device="cuda"), 1.0)])
+    parts[0].set_slots([parts[0].coefficients("add", torch.ones(args.width, device="cuda"), 1.0)])
     parts[0].set_rows([(0, rows, 1)])
     torch.cuda.synchronize()
     used = _time_graph(graph, args.reps) / args.copies

@@ -73,6 +73,12 @@ def max_graph_batch(vllm_config: Any) -> int:
     return int(size) if size else 512
 
 
+def max_requests(vllm_config: Any) -> int | None:
+    """The most requests one step can hold (``max_num_seqs``), when the config says."""
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    return int(seqs) if seqs else None
+
+
 def add_splitting_op(vllm_config: Any, op_name: str) -> bool:
     """Make vLLM split its compiled graph at ``op_name`` (the op then runs eagerly
     between CUDA-graph pieces). Must run before the first compile (model load).

@@ -33,7 +33,7 @@ def on_model_loaded(runner: Any) -> None:
     # between pieces) where the graph is split at it, else without graphs
     runner.__dict__[_MODE] = "piecewise" if split else "eager"
     if settings.lanes:
-        lanes.enable(configuration.max_graph_batch(config))
+        lanes.enable(configuration.max_graph_batch(config), configuration.max_requests(config))
     sites = taps.install(model, tapset)
     if not sites:
         log.error("taps %s match no module of %s", tapset.describe(), type(model).__name__)

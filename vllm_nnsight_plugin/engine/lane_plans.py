@@ -66,12 +66,17 @@ class LanePlans:
                     ops = tuple(entry.op for _, entry, _, _ in groups)
                     if len(ops) != len(lane.slot_keys) or any(a is not b for a, b in zip(ops, lane.slot_keys)):
                         lane.slot_keys = ()
-                        lane.set_slots([(op["op"], self._value(op, lane.read) if op["op"] in ("add", "set") else None,
-                                         float(op.get("factor", 1.0))) for op in ops])
+                        coefficients, bad = self._coefficients(lane, groups)
+                        if bad:  # (their requests fail; the others keep their slots, in order)
+                            steady = False
+                            groups = [group for group in groups if id(group) not in bad]
+                            ops = tuple(entry.op for _, entry, _, _ in groups)
+                            coefficients = [c for c in coefficients if c is not None]
+                        lane.set_slots(coefficients)
                         lane.slot_keys = ops
                     tables.append((part, lane.set_rows([(start, end, slot) for slot, (_, _, spans, _)
                                                         in enumerate(groups, 1) for start, end in _flat(spans)])))
-            except Exception as exc:  # noqa: BLE001 - a bad value ends the requests that sent it
+            except Exception as exc:  # noqa: BLE001 - the tables could not be filled: the lanes' requests end
                 for groups in edits.values():
                     for _, entry, _, sessions in groups:
                         for session in sessions:
@@ -88,6 +93,25 @@ class LanePlans:
         steady = steady and not self.stale and self.steady(layout)
         # (a layout's spans are never changed once published: keep the dict itself)
         self._fill_memo = (self._version, layout.num_tokens, layout.spans, filled) if steady else None
+
+    def _coefficients(self, lane: Any, groups: list[tuple]) -> tuple[list[tuple | None], set[int]]:
+        """Each group's slot coefficients, in order; a group whose value does not fit the
+        lane (another width) fails its own requests only, with eager PyTorch's error,
+        and gets None (``bad`` holds the ids of those groups)."""
+        coefficients: list[tuple | None] = []
+        bad: set[int] = set()
+        for group in groups:
+            _, entry, _, sessions = group
+            op = entry.op
+            try:
+                value = self._value(op, lane.read) if op["op"] in ("add", "set") else None
+                coefficients.append(lane.coefficients(op["op"], value, float(op.get("factor", 1.0))))
+            except Exception as exc:  # noqa: BLE001 - a bad value ends the requests that sent it
+                coefficients.append(None)
+                bad.add(id(group))
+                for session in sessions:
+                    session.fail(f"{_where(entry)}: {exc}")
+        return coefficients, bad
 
     def finish_lanes(self, layout: Any) -> None:
         """After the forward: lane reads to the host (as :meth:`_read`), lanes reset."""
@@ -136,7 +160,7 @@ class LanePlans:
     def _lane_plan(self, key: tuple) -> tuple | None:
         """The lanes' plan for a location's active entries, or None when they cannot
         serve them: no lanes there, two edits of one request's tensor, a read
-        ordered before an edit of its tensor, more distinct edits than a lane has rows, a
+        ordered before an edit of its tensor, more distinct edits than a lane has slots, a
         value split across tensor-parallel ranks (the tap op's Python puts it together)."""
         found = self.inter.lane_site(key)
         if found is None or self.inter.splits.of(key) is not None:
@@ -167,6 +191,6 @@ class LanePlans:
                     return None
                 edited.add((part, session.req_id))
             edits.setdefault(part, []).append(group)
-            if len(edits[part]) > parts[part].rows:
+            if len(edits[part]) > parts[part].slots:
                 return None
         return parts, code, edits, reads

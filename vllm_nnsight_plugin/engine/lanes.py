@@ -8,9 +8,8 @@ fills before the step, so the step keeps the full graph.
 
 Per tapped tensor (a *part*: ``output[0]`` of a decoder layer) a lane holds a
 slot per row of the batch (``sel``; 0 leaves the row untouched) and, per slot,
-a mask, a keep flag, a scale and an offset (as many slots as the lane has rows, so
-every request of a step can carry an edit of its own: a strength sweep, a steering
-vector per prompt):
+a mask, a keep flag, a scale and an offset (a slot for every request a step can hold,
+so each may carry an edit of its own: a strength sweep, a steering vector per prompt):
 
     y = where(keep[sel], x * scale[sel] + offset[sel], offset[sel])
     x[:] = where(mask[sel], y, x);  read[:n] = x
@@ -46,6 +45,7 @@ import torch
 from . import arith
 
 _cap = 0  # rows a lane holds (vLLM's largest CUDA-graph batch); 0: lanes off
+_slots = 0  # distinct edits a lane holds per step (the requests a step can hold)
 _sites: dict[str, list[PartLane | None]] = {}  # tap site -> a lane per tensor of its value
 _not_in_graphs: set[str] = set()  # sites captured into a full graph before their lanes existed
 _failed: set[str] = set()  # sites whose lane kernels raised this step
@@ -54,10 +54,12 @@ STATS = {"lane": 0, "python": 0}  # location-steps of batched specs served by la
 logger = logging.getLogger("vllm.nnsight_plugin")
 
 
-def enable(rows: int) -> None:
-    """Turn lanes on (the runner's model is tapped and compiled), ``rows`` per lane."""
-    global _cap
+def enable(rows: int, slots: int | None = None) -> None:
+    """Turn lanes on (the runner's model is tapped and compiled), ``rows`` per lane and
+    ``slots`` distinct edits (at most ``rows``; None: ``rows``)."""
+    global _cap, _slots
     _cap = max(int(rows), 1)
+    _slots = _cap if slots is None else max(1, min(int(slots), _cap))
 
 
 def enabled() -> bool:
@@ -78,16 +80,19 @@ class PartLane:
     """Device tables and read buffer for one tapped tensor (fixed addresses: a full
     CUDA graph captured them)."""
 
-    def __init__(self, like: torch.Tensor, rows: int):
+    def __init__(self, like: torch.Tensor, rows: int, slots: int | None = None):
         device, inner = like.device, tuple(like.shape[1:])
+        slots = rows if slots is None else min(slots, rows)
         ones = (1,) * len(inner)
         self.rows, self.dtype, self.inner = rows, like.dtype, inner
         self.sel = torch.zeros(rows, dtype=torch.int64, device=device)
-        # (slot 0 untouched, then one per row: a step has at most a distinct edit per row)
-        self.mask = torch.zeros((rows + 1, *ones), dtype=torch.bool, device=device)
-        self.keep = torch.zeros((rows + 1, *ones), dtype=torch.bool, device=device)
-        self.scale = torch.ones((rows + 1, *ones), dtype=torch.float32, device=device)
-        self.offset = torch.zeros((rows + 1, *inner), dtype=torch.float32, device=device)
+        # (slot 0 untouched, then one per request a step can hold: a request has at most
+        # one edit of a tensor, so a step has at most that many distinct edits)
+        self.slots = slots
+        self.mask = torch.zeros((slots + 1, *ones), dtype=torch.bool, device=device)
+        self.keep = torch.zeros((slots + 1, *ones), dtype=torch.bool, device=device)
+        self.scale = torch.ones((slots + 1, *ones), dtype=torch.float32, device=device)
+        self.offset = torch.zeros((slots + 1, *inner), dtype=torch.float32, device=device)
         self.read = torch.zeros((rows, *inner), dtype=like.dtype, device=device)
         pin = device.type == "cuda"
         self._staging = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -142,35 +147,47 @@ class PartLane:
             self._events[i] = torch.cuda.Event()
             self._events[i].record()
 
-    def set_slots(self, edits: list[tuple[str, arith.Operand | None, float]]) -> None:
-        """Slots 1..n do ``edits[i - 1]`` = ``(kind, value, factor)`` (see the module
-        docstring). A handful of copies whatever n (a sweep fills hundreds of slots):
-        the flags and numbers from the host, the tensor offsets stacked on the device."""
-        n = len(edits)
+    def coefficients(self, kind: str, value: arith.Operand | None, factor: float) -> tuple:
+        """One slot's ``(keep, scale, offset)``; a tensor offset as one row of this lane's
+        shape, broadcast as eager PyTorch broadcasts a value over a row (raises where it
+        would: a value of another width)."""
+        keep, scale, offset = arith.lane_coefficients(kind, value, factor)
+        if isinstance(offset, torch.Tensor):
+            if offset.dim() == len(self.inner) + 1 and offset.shape[0] == 1:
+                offset = offset[0]
+            offset = torch.broadcast_to(offset.to(self.offset.device, torch.float32), self.inner)
+        return keep, scale, offset
+
+    def set_slots(self, coefficients: list[tuple]) -> None:
+        """Slots 1..n take ``coefficients[i - 1]`` (from :meth:`coefficients`). A handful
+        of copies whatever n (a sweep fills hundreds of slots): the flags and numbers
+        from pinned host memory without a wait, the tensor offsets stacked on the device."""
+        n = len(coefficients)
         if not n:
             return
-        if n > self.rows:
-            raise ValueError(f"{n} distinct edits for a lane of {self.rows} slots")
+        if n > self.slots:
+            raise ValueError(f"{n} distinct edits for a lane of {self.slots} slots")
         ones = (1,) * len(self.inner)
-        coefficients = [arith.lane_coefficients(kind, value, factor) for kind, value, factor in edits]
-        device = self.offset.device
         keep = torch.tensor([c[0] for c in coefficients], dtype=torch.bool)
         scale = torch.tensor([c[1] for c in coefficients], dtype=torch.float32)
         numbers = torch.tensor([c[2] if isinstance(c[2], float) else 0.0 for c in coefficients], dtype=torch.float32)
         self.mask[1 : n + 1].fill_(True)
-        self.keep[1 : n + 1].copy_(keep.view(n, *ones).to(device))
-        self.scale[1 : n + 1].copy_(scale.view(n, *ones).to(device))
-        self.offset[1 : n + 1].copy_(numbers.to(device).view(n, *ones).expand(n, *self.inner))
+        self.keep[1 : n + 1].copy_(self._device(keep).view(n, *ones))
+        self.scale[1 : n + 1].copy_(self._device(scale).view(n, *ones))
+        self.offset[1 : n + 1].copy_(self._device(numbers).view(n, *ones).expand(n, *self.inner))
         tensors = [(slot, c[2]) for slot, c in enumerate(coefficients, 1) if not isinstance(c[2], float)]
         if tensors:
-            rows = torch.stack([self._offset_row(offset) for _, offset in tensors])
-            where = torch.tensor([slot for slot, _ in tensors], dtype=torch.int64).to(device)
-            self.offset.index_copy_(0, where, rows)
+            where = self._device(torch.tensor([slot for slot, _ in tensors], dtype=torch.int64))
+            self.offset.index_copy_(0, where, torch.stack([offset for _, offset in tensors]))
 
-    def _offset_row(self, offset: torch.Tensor) -> torch.Tensor:
-        """One slot's offset: a value's single row (or a 0-dim one), broadcast to a row, in fp32."""
-        row = offset.float().reshape(-1, *self.inner)[0] if offset.dim() else offset.float()
-        return row.to(self.offset.device).expand(self.inner)
+    def _device(self, host: torch.Tensor) -> torch.Tensor:
+        """A small host table on the lane's device; on a GPU through pinned memory, so the
+        copy does not make the host wait for the device (torch keeps the pinned block
+        until the copy is done)."""
+        device = self.offset.device
+        if device.type != "cuda":
+            return host.to(device)
+        return host.pin_memory().to(device, non_blocking=True)
 
     def done(self) -> None:
         """End of the step. Untraced steps replay these kernels too, so sel goes back to
@@ -206,7 +223,7 @@ def run(site: str, xs: list[torch.Tensor]) -> None:
         if capturing:  # a full graph without this site's lanes: never use them
             _not_in_graphs.add(site)
             return
-        parts = _sites[site] = [PartLane(x, _cap) if x.is_floating_point() and x.dim() >= 2 else None
+        parts = _sites[site] = [PartLane(x, _cap, _slots) if x.is_floating_point() and x.dim() >= 2 else None
                                 for x in xs]
         for lane in parts:
             if lane is not None and lane.sel.is_cuda:
@@ -254,8 +271,8 @@ def part_of(code: str, index: int | None) -> int | None:
 
 def reset() -> None:
     """Forget every lane (tests; a new model)."""
-    global _cap
-    _cap = 0
+    global _cap, _slots
+    _cap = _slots = 0
     _sites.clear()
     _not_in_graphs.clear()
     _failed.clear()
