@@ -398,6 +398,47 @@ def test_plans_are_cached_by_payload_text_unless_large():
     assert isinstance(refused, Fallback) and "not tapped" in refused.why  # the block says it itself
 
 
+def test_a_sweeps_plans_stay_cached_least_recently_used_first(monkeypatch):
+    """Invokes with a strength each have a plan each: all are kept (a sweep sent again
+    records nothing), the least recently used plan goes first, and the kept plans'
+    edit values are bounded in numbers as well as in count."""
+    from vllm_nnsight_plugin.engine import lower
+
+    lowerings = Lowerings(TOY, torch.float32)
+    strengths = [0.5 * k for k in range(300)]
+
+    def sweep_env(k: int) -> dict:
+        def block(model, tracer):
+            for _ in tracer.all():
+                model.layers[0].output[0][:] += strengths[k] * VEC
+
+        return json.loads(make_payload(block))
+
+    def serves(path: str, kind: str) -> None:
+        pass
+
+    first = [lowerings.get(sweep_env(k), serves) for k in range(300)]
+    assert all(isinstance(p, Lowered) for p in first)
+    assert all(lowerings.get(sweep_env(k), serves) is first[k] for k in range(300))  # (> the old 256)
+    monkeypatch.setattr(lower, "CACHED_PLANS", 300)
+    lowerings.get(sweep_env(0), serves)  # (used again: the oldest is now 1)
+    lowerings.get(sweep_env(300 - 1), serves)
+    newer = [0.25 * k for k in range(3)]
+
+    def other(k: int) -> dict:
+        def block(model, tracer):
+            for _ in tracer.all():
+                model.layers[0].output[0][:] += newer[k] * VEC
+
+        return json.loads(make_payload(block))
+
+    lowerings.get(other(0), serves)
+    assert lowerings.get(sweep_env(0), serves) is first[0] and lowerings.get(sweep_env(1), serves) is not first[1]
+    monkeypatch.setattr(lower, "CACHED_NUMBERS", 3 * VEC.numel())
+    kept = [lowerings.get(other(k), serves) for k in range(3)]
+    assert len(lowerings._cache) == 3 and all(lowerings.get(other(k), serves) is kept[k] for k in range(3))
+
+
 def test_a_plans_error_names_the_blocks_line():
     found = _plan("for _ in tracer.all():\n    model.layers[0].output[0][:] += v", v=VEC)
     assert found.relabel("ops[0] (add layers.0): the size is wrong") == ("the size is wrong", 11)

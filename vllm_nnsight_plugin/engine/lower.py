@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -461,6 +461,11 @@ def _check_cache(model: torch.nn.Module, op: dict[str, Any], check_access: Calla
 
 
 CACHEABLE = 64 * 1024  # payload text (values + source) whose lowering is cached
+# plans kept, the least recently used going first: a trace's invokes with a value each (a
+# sweep) have a plan each, and a sweep over many batches sends the same ones every batch
+CACHED_PLANS = 1024
+CACHED_NUMBERS = 4 << 20  # numbers the kept plans' edit values hold in all (about 32 bytes each)
+INTERNED_OPS = 4096  # distinct small ops shared across plans (see Lowerings._interned)
 
 
 def kept(env: dict[str, Any]) -> bool:
@@ -481,7 +486,8 @@ class Lowerings:
         # a recording takes at most the server's code time limit (a block would too)
         self.seconds = min(record.RECORD_TIME_S, code_time_limit_s) if code_time_limit_s > 0 \
             else record.RECORD_TIME_S
-        self._cache: dict[tuple, Lowered | Fallback] = {}
+        self._cache: OrderedDict[tuple, tuple[Lowered | Fallback, int]] = OrderedDict()  # -> (plan, its numbers)
+        self._numbers = 0  # numbers the kept plans' edit values hold
         self._shared: frozenset[int] | None = None
         self._ops: dict[str, dict[str, Any]] = {}  # an op's JSON -> the one object of that op (see _interned)
 
@@ -499,7 +505,8 @@ class Lowerings:
         key = (env["source"], env["filename"], env["lineno"], env["values"])
         cacheable = kept(env)
         if cacheable and key in self._cache:
-            return self._cache[key]
+            self._cache.move_to_end(key)
+            return self._cache[key][0]
         rec, resolve = recorder(self.model, self.dtype, self.shared(), self.stand_ins, self.structure_of)
         values = codec.load_code(env, resolve).values
         try:
@@ -519,16 +526,28 @@ class Lowerings:
         if cacheable:
             if isinstance(found, Lowered):
                 found.spec["ops"][:] = [self._interned(op) for op in found.spec["ops"]]
-            if len(self._cache) >= 256:
-                self._cache.clear()
-                self._ops.clear()
-            self._cache[key] = found
+            self._keep(key, found)
         return found
+
+    def _keep(self, key: tuple, found: Lowered | Fallback) -> None:
+        numbers = sum(len(op["value"]) for op in found.spec["ops"] if isinstance(op.get("value"), list)) \
+            if isinstance(found, Lowered) else 0
+        if numbers > CACHED_NUMBERS:
+            return
+        while self._cache and (len(self._cache) >= CACHED_PLANS or self._numbers + numbers > CACHED_NUMBERS):
+            self._numbers -= self._cache.popitem(last=False)[1][1]
+        if len(self._ops) > INTERNED_OPS:  # (plans kept keep their op objects; new plans intern afresh)
+            self._ops.clear()
+        self._cache[key] = (found, numbers)
+        self._numbers += numbers
 
     def _interned(self, op: dict[str, Any]) -> dict[str, Any]:
         """One object per distinct op across plans: blocks whose values differ per invoke
         (``out[i] = ...`` with each invoke's ``i``) have plans of their own, and the
         batched runner groups requests by op identity, so their like ops run as one."""
+        value = op.get("value")
+        if isinstance(value, list) and len(value) > MAX_INTERNED_OP // 4:  # (4+ characters a number:
+            return op  # too long to share; a 2048-wide steering vector's text took 0.6 ms per plan)
         try:
             key = json.dumps(op, sort_keys=True, separators=(",", ":"))
         except (TypeError, ValueError):

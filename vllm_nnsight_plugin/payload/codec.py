@@ -120,8 +120,11 @@ def _nnsight_ref(obj: Any) -> tuple | None:
     return ref(obj) if ref is not None else None
 
 
-_ENCODED: dict[tuple, tuple[str, list[Any]]] = {}  # recent payloads: key -> (text, the values it holds)
-_MEMO_SIZE = 16
+# recent payloads: key -> (text, the values it holds); payloads of up to 64 KB (a trace's
+# invokes with a value each, a sweep, have one each: 512 kept), and 16 larger ones
+_ENCODED: dict[tuple, tuple[str, list[Any]]] = {}
+_ENCODED_LARGE: dict[tuple, tuple[str, list[Any]]] = {}
+_MEMO_SIZE, _LARGE_MEMO_SIZE = 512, 16
 
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
@@ -157,13 +160,16 @@ def encode_code(payload: CodePayload) -> str:
     held: list[Any] = []
     keys = tuple((name, _value_key(v, held)) for name, v in payload.values.items())
     key = None if any(k is None for _, k in keys) else (payload.source, payload.filename, payload.lineno, keys)
-    if key is not None and key in _ENCODED:
-        return _ENCODED[key][0]
+    if key is not None:
+        found = _ENCODED.get(key) or _ENCODED_LARGE.get(key)
+        if found is not None:
+            return found[0]
     text = _encode_code(payload)
     if key is not None:
-        if len(_ENCODED) >= _MEMO_SIZE:
-            _ENCODED.pop(next(iter(_ENCODED)))
-        _ENCODED[key] = (text, held)
+        memo, size = (_ENCODED, _MEMO_SIZE) if len(text) <= LARGE_PAYLOAD else (_ENCODED_LARGE, _LARGE_MEMO_SIZE)
+        if len(memo) >= size:
+            memo.pop(next(iter(memo)))
+        memo[key] = (text, held)
     return text
 
 
