@@ -7,7 +7,11 @@
 (b) every one of 64 requests saving one layer's output at prefill, vs the same
     64 requests untraced, on one engine (and the same at every generated token);
 (c) client cost per request: capture + serialization time and payload bytes,
-    for a 4-layer and a 32-layer module tree.
+    for a 4-layer and a 32-layer module tree;
+(d) the user's way (one ``model.trace()`` with 64 invokes of nnsight's code):
+    steering every step by one vector, and a strength sweep (each invoke its own
+    ``s[i] * v``: a payload and a plan per invoke), against the same engine's
+    untraced batch; the sweep's first batch records its plans, later ones reuse them.
 
 Prints a markdown table. Absolute numbers vary a lot between machines; compare
 the ratios of one run.
@@ -75,6 +79,57 @@ def _child(variant: str, path: str) -> None:
     print("RESULT " + json.dumps({k: tokens / statistics.median(v) for k, v in times.items()}))
 
 
+def _child_users_way(path: str) -> None:
+    """(d), in a child process: a ``VLLM`` engine, traces written as a researcher would."""
+    import torch
+    from vllm import SamplingParams
+
+    from vllm_nnsight_plugin import VLLM
+
+    model = VLLM(path, enforce_eager=True, dtype="float32", max_model_len=512, max_num_seqs=PROMPTS, dispatch=True)
+    width = model.vllm_entrypoint.llm_engine.vllm_config.model_config.get_hidden_size()
+    vector = torch.linspace(-1, 1, width)
+    strengths = [0.25 + i / 64 for i in range(PROMPTS)]
+    prompts = _prompts()
+    sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+    def plain() -> list:
+        return model.vllm_entrypoint.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
+
+    def steer() -> list:
+        with model.trace(**sampling) as tracer:
+            for prompt in prompts:
+                with tracer.invoke(prompt):
+                    for step in tracer.iter[:]:  # noqa: B007
+                        model.model.layers[1].output[0][:] += vector
+        return tracer.outputs
+
+    def sweep() -> list:
+        with model.trace(**sampling) as tracer:
+            for i, prompt in enumerate(prompts):
+                with tracer.invoke(prompt):
+                    for step in tracer.iter[:]:  # noqa: B007
+                        model.model.layers[1].output[0][:] += strengths[i] * vector
+        return tracer.outputs
+
+    def timed(fn) -> float:  # noqa: ANN001
+        t = time.perf_counter()
+        outs = fn()
+        seconds = time.perf_counter() - t
+        made = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert made == PROMPTS * MAX_TOKENS and all(getattr(o, "ran_as", "batched") in (None, "batched") for o in outs)
+        return made / seconds
+
+    plain()  # warm-up
+    result = {"sweep_first": timed(sweep)}  # (its plans recorded in this batch)
+    times: dict[str, list[float]] = {"plain": [], "steer": [], "sweep": []}
+    for _ in range(REPS):
+        for name, fn in (("plain", plain), ("steer", steer), ("sweep", sweep)):
+            times[name].append(timed(fn))
+    result.update({k: statistics.median(v) for k, v in times.items()})
+    print("RESULT " + json.dumps(result))
+
+
 def _run_child(variant: str, path: str, disable: bool) -> dict[str, float]:
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
     env.pop("VLLM_NNSIGHT_DISABLE", None)
@@ -128,6 +183,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.child == "users_way":
+        _child_users_way(args.model)
+        return
     if args.child:
         _child(args.child, args.model)
         return
@@ -140,6 +198,7 @@ def main() -> None:
         off.append(_run_child("plain", path, disable=True)["plain"])
         on.append(_run_child("plain", path, disable=False)["plain"])
     traced = _run_child("traced", path, disable=False)
+    users = _run_child("users_way", path, disable=False)
     c4, b4 = _client_cost(4)
     c32, b32 = _client_cost(32)
 
@@ -157,6 +216,11 @@ def main() -> None:
           f"{traced['every_token'] / traced['plain']:.3f} |")
     print(f"| (c) client cost per request, 4-layer tree | {c4:.0f} µs, {b4} B | |")
     print(f"| (c) client cost per request, 32-layer tree | {c32:.0f} µs, {b32} B | {c32 / c4:.2f} (time) |")
+    print(f"| (d) the user's way: untraced, same engine, out tok/s | {users['plain']:,.0f} | 1 |")
+    for key, label in (("steer", "steering every step by one vector"),
+                       ("sweep", "a strength sweep, each invoke its own (plans reused)"),
+                       ("sweep_first", "the sweep's first batch (plans recorded)")):
+        print(f"| (d) {label} | {users[key]:,.0f} | {users[key] / users['plain']:.3f} |")
     print(f"\nraw (a): off {[round(x) for x in off]}, on {[round(x) for x in on]}")
 
 
