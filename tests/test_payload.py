@@ -287,12 +287,21 @@ def test_a_payload_is_reused_only_for_the_same_numbers():
 
     coefs = [0.25 + i / 64 for i in range(256)]
     first = text(c=coefs, i=3)
-    assert text(c=list(coefs), i=3) is first and text(c=coefs, i=4) != first
+    assert text(c=coefs, i=3) is first and text(c=list(coefs), i=3) == first and text(c=coefs, i=4) != first
     assert text(c=[*coefs[:-1], 9.0], i=3) != first
     assert text(c=-0.0) != text(c=0.0) and text(c=1) != text(c=1.0) and text(c=[1, 2]) != text(c=[1.0, 2])
     assert text(c=(1, "a", None, b"x")) is text(c=(1, "a", None, b"x")) != text(c=[1, "a", None, b"x"])
     loaded = codec.load_code(codec.parse_envelope(text(c=-0.0)), lambda ref: None).values["c"]
     assert str(loaded) == "-0.0"
+    # one list under two names is not two equal lists (a block changing one sees the other change)
+    one, other = [1.0, 2.0], [1.0, 2.0]
+    same = codec.load_code(codec.parse_envelope(text(c=one, d=one)), lambda ref: None).values
+    apart = codec.load_code(codec.parse_envelope(text(c=one, d=other)), lambda ref: None).values
+    assert same["c"] is same["d"] and apart["c"] is not apart["d"]
+    looped: list = [1]
+    looped.append(looped)  # (a list that holds itself: encoded, not remembered)
+    back = codec.load_code(codec.parse_envelope(text(c=looped)), lambda ref: None).values["c"]
+    assert back[1] is back
 
 
 def test_operator_settings_parse_in_one_place(monkeypatch):

@@ -135,7 +135,8 @@ def _value_key(value: Any, held: list[Any]) -> Any:
     tensor counts by identity and in-place version: ``held`` keeps it alive so its id
     cannot be reused while a payload made from it is remembered. Floats count by their
     bits (``-0.0`` is not ``0.0``); a list of plain scalars (a sweep's coefficients) by
-    its pickle, one pass in C instead of a key per element."""
+    its pickle, one pass in C instead of a key per element. A list also counts by
+    identity (held too): one list under two names and two equal lists pickle apart."""
     kind = type(value)
     if kind in _SCALARS:
         return (kind.__name__, value.hex() if kind is float else value)
@@ -146,10 +147,13 @@ def _value_key(value: Any, held: list[Any]) -> Any:
     if ref is not None:
         return ("r", ref)
     if kind in (list, tuple, SharedList):
+        which = None if kind is tuple else id(value)  # (a tuple cannot be changed through an alias)
+        if which is not None:
+            held.append(value)
         if all(type(v) in _SCALARS for v in value):
-            return (kind.__name__, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+            return (kind.__name__, which, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         keys = tuple(_value_key(v, held) for v in value)
-        return None if any(k is None for k in keys) else (kind.__name__, keys)
+        return None if any(k is None for k in keys) else (kind.__name__, which, keys)
     return None
 
 
@@ -158,7 +162,10 @@ def encode_code(payload: CodePayload) -> str:
     invokes of one body and the same values (nnsight's loop of ``tracer.invoke``s)
     encode once."""
     held: list[Any] = []
-    keys = tuple((name, _value_key(v, held)) for name, v in payload.values.items())
+    try:
+        keys = tuple((name, _value_key(v, held)) for name, v in payload.values.items())
+    except RecursionError:  # (a list that holds itself: pickled, not remembered)
+        keys = (("", None),)
     key = None if any(k is None for _, k in keys) else (payload.source, payload.filename, payload.lineno, keys)
     if key is not None:
         found = _ENCODED.get(key) or _ENCODED_LARGE.get(key)
