@@ -276,6 +276,17 @@ def test_invokes_of_one_body_and_values_encode_once_and_edits_are_seen():
     assert codec.load_code(codec.parse_envelope(changed), lambda ref: None).values["v"].tolist() == [2.0] * 4
     assert codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": torch.ones(4), "n": 2})) != changed
     assert codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v, "n": 3})) != changed
+    v.data.add_(1)  # (a change the version counter does not see: the bytes do)
+    seen = codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v, "n": 2}))
+    assert codec.load_code(codec.parse_envelope(seen), lambda ref: None).values["v"].tolist() == [3.0] * 4
+    scalar = torch.tensor(2.5)
+    assert codec.encode_code(codec.CodePayload("x = s", "f.py", 3, {"s": scalar})) is \
+        codec.encode_code(codec.CodePayload("x = s", "f.py", 3, {"s": scalar}))
+    # a trace-level list is copied for each invoke: equal copies share one payload
+    from vllm_nnsight_plugin.payload.codec import SharedList
+
+    first_copy = codec.encode_code(codec.CodePayload("x = o", "f.py", 3, {"o": SharedList([1, 2])}))
+    assert codec.encode_code(codec.CodePayload("x = o", "f.py", 3, {"o": SharedList([1, 2])})) is first_copy
 
 
 def test_a_payload_is_reused_only_for_the_same_numbers():

@@ -434,6 +434,7 @@ def test_a_sweeps_plans_stay_cached_least_recently_used_first(monkeypatch):
 
     lowerings.get(other(0), serves)
     assert lowerings.get(sweep_env(0), serves) is first[0] and lowerings.get(sweep_env(1), serves) is not first[1]
+    assert lower._numbers([[0.5] * 8]) == lower._numbers([0.5] * 8) == 8  # (a value of shape (1, 8) holds 8)
     monkeypatch.setattr(lower, "CACHED_NUMBERS", 3 * VEC.numel())
     kept = [lowerings.get(other(k), serves) for k in range(3)]
     assert len(lowerings._cache) == 3 and all(lowerings.get(other(k), serves) is kept[k] for k in range(3))

@@ -27,7 +27,7 @@ from .guards import check_writable
 from .host import host_copy, put_rows
 from .lane_plans import LanePlans
 from .like_edits import LikeEdits
-from .memo import IdentityMemo
+from .memo import PLANS_KEPT, IdentityMemo
 from .plan_ops import (
     LOGITS,
     Entry,
@@ -73,11 +73,12 @@ class BatchedEdits(LanePlans):
         self._steady: tuple | None = None  # (layout, version, whether steady): see steady
         self._row_indexes: dict[tuple, tuple[list, Any]] = {}  # see _rows_of
         self._seqs: dict[int, tuple[dict[str, Any], int]] = {}  # id(op) -> (op, its seq)
-        self._for_request: IdentityMemo[dict[str, Any]] = IdentityMemo()  # (spec, max_tokens) -> see for_request
+        # (spec, max_tokens) -> see for_request
+        self._for_request: IdentityMemo[dict[str, Any]] = IdentityMemo(PLANS_KEPT)
         self._next_seq = 0
         self.late: set[tuple] = set()  # locations with late entries (cache reads: after every edit)
-        self._expanded: IdentityMemo[dict[str, Any]] = IdentityMemo()  # spec -> see with_caches
-        self._placed: IdentityMemo[tuple[list, list, list]] = IdentityMemo()  # spec -> where its ops register
+        self._expanded: IdentityMemo[dict[str, Any]] = IdentityMemo(PLANS_KEPT)  # spec -> see with_caches
+        self._placed: IdentityMemo[tuple[list, list, list]] = IdentityMemo(PLANS_KEPT)  # spec -> where its ops register
         self._like = LikeEdits()  # like edits with a value each, applied as one (see apply)
 
     def add(self, session: RequestSession, env: dict[str, Any], block: int, shared: bool = False) -> None:

@@ -21,7 +21,7 @@ from .envoy import WorkerEnvoy, WorkerTracer
 from .finite_logits import GuardedRows
 from .limits import measure
 from .logits_serving import LogitsServing
-from .memo import IdentityMemo
+from .memo import PLANS_KEPT, IdentityMemo
 from .requests import QuietBatch, TracedRequests
 from .rows import Chunk, StepLayout
 from .serving import SiteKey, ValueServing
@@ -61,7 +61,8 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         self.stages = stages.StageTransport(self.absent, piped.last, carries=piped.carries) if piped else None
         self.batched = batched.BatchedEdits(self)
         self.expand_cache = cache.expander(self)  # a cache op as its reads (memoized per op)
-        self._admitted_specs: IdentityMemo[AdmittedSpec] = IdentityMemo()  # (spec, max_tokens) -> see _admit_spec
+        # (spec, max_tokens) -> see _admit_spec
+        self._admitted_specs: IdentityMemo[AdmittedSpec] = IdentityMemo(PLANS_KEPT)
         self.finite = finite_logits.FiniteLogits()
         self.vocab: int | None = None  # the logits' width, once seen (model.samples must stay below it)
         self._guard_memo: GuardedRows | None = None

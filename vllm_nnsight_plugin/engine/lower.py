@@ -34,6 +34,7 @@ from .cache import Gather, Kept
 from .envoy import ResultRef
 from .forward_types import output_structure
 from .limits import measure
+from .memo import PLANS_KEPT
 from .proxies import RecEnvoy, RecTensor, RecTuple, _Expr
 from .rec_tracer import RecTracer
 from .record import Recorder, Unrecordable
@@ -463,7 +464,7 @@ def _check_cache(model: torch.nn.Module, op: dict[str, Any], check_access: Calla
 CACHEABLE = 64 * 1024  # payload text (values + source) whose lowering is cached
 # plans kept, the least recently used going first: a trace's invokes with a value each (a
 # sweep) have a plan each, and a sweep over many batches sends the same ones every batch
-CACHED_PLANS = 1024
+CACHED_PLANS = PLANS_KEPT
 CACHED_NUMBERS = 4 << 20  # numbers the kept plans' edit values hold in all (about 32 bytes each)
 INTERNED_OPS = 4096  # distinct small ops shared across plans (see Lowerings._interned)
 
@@ -472,6 +473,13 @@ def kept(env: dict[str, Any]) -> bool:
     """Whether the plan of this code envelope is cached (:meth:`Lowerings.get`): every
     request that sends its text then shares the plan's spec object."""
     return len(env["values"]) + len(env["source"]) <= CACHEABLE
+
+
+def _numbers(value: Any) -> int:
+    """How many numbers an op's value holds (a nested list for a value of shape (1, h))."""
+    if not isinstance(value, list):
+        return 0
+    return sum(_numbers(v) for v in value) if value and isinstance(value[0], list) else len(value)
 
 
 class Lowerings:
@@ -530,8 +538,7 @@ class Lowerings:
         return found
 
     def _keep(self, key: tuple, found: Lowered | Fallback) -> None:
-        numbers = sum(len(op["value"]) for op in found.spec["ops"] if isinstance(op.get("value"), list)) \
-            if isinstance(found, Lowered) else 0
+        numbers = sum(_numbers(op.get("value")) for op in found.spec["ops"]) if isinstance(found, Lowered) else 0
         if numbers > CACHED_NUMBERS:
             return
         while self._cache and (len(self._cache) >= CACHED_PLANS or self._numbers + numbers > CACHED_NUMBERS):
@@ -545,9 +552,8 @@ class Lowerings:
         """One object per distinct op across plans: blocks whose values differ per invoke
         (``out[i] = ...`` with each invoke's ``i``) have plans of their own, and the
         batched runner groups requests by op identity, so their like ops run as one."""
-        value = op.get("value")
-        if isinstance(value, list) and len(value) > MAX_INTERNED_OP // 4:  # (4+ characters a number:
-            return op  # too long to share; a 2048-wide steering vector's text took 0.6 ms per plan)
+        if _numbers(op.get("value")) > MAX_INTERNED_OP // 4:  # (4+ characters a number: too long
+            return op  # to share; a 2048-wide steering vector's text took 0.6 ms per plan)
         try:
             key = json.dumps(op, sort_keys=True, separators=(",", ":"))
         except (TypeError, ValueError):

@@ -8,6 +8,9 @@ from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
 V = TypeVar("V")
+# plans the engine keeps (lower.Lowerings), and the entries of the memos derived from them:
+# a trace's invokes with a value each (a sweep) have a plan each
+PLANS_KEPT = 1024
 
 
 class IdentityMemo(Generic[V]):

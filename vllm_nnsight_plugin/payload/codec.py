@@ -27,6 +27,7 @@ import io
 import json
 import os
 import pickle
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,8 @@ def _nnsight_ref(obj: Any) -> tuple | None:
 _ENCODED: dict[tuple, tuple[str, list[Any]]] = {}
 _ENCODED_LARGE: dict[tuple, tuple[str, list[Any]]] = {}
 _MEMO_SIZE, _LARGE_MEMO_SIZE = 512, 16
+_MEMO_LOCK = threading.Lock()
+_CONTENT_KEYED = 64 * 1024  # a CPU tensor of up to this many bytes is keyed by its bytes too
 
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
@@ -142,12 +145,18 @@ def _value_key(value: Any, held: list[Any]) -> Any:
         return (kind.__name__, value.hex() if kind is float else value)
     if isinstance(value, torch.Tensor):
         held.append(value)
-        return ("t", id(value), value._version, value.data_ptr(), tuple(value.shape), value.dtype, value.device)
+        key = ("t", id(value), value._version, value.data_ptr(), tuple(value.shape), value.dtype, value.device)
+        if value.device.type == "cpu" and value.numel() * value.element_size() <= _CONTENT_KEYED:
+            # (its bytes too: a change through ``.data`` or a numpy view keeps the version)
+            key += (value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(),)
+        return key
     ref = _nnsight_ref(value)
     if ref is not None:
         return ("r", ref)
     if kind in (list, tuple, SharedList):
-        which = None if kind is tuple else id(value)  # (a tuple cannot be changed through an alias)
+        # (a tuple cannot be changed through an alias; the client copies a trace-level list
+        # for each invoke, so only its contents tell two apart)
+        which = None if kind is not list else id(value)
         if which is not None:
             held.append(value)
         if all(type(v) in _SCALARS for v in value):
@@ -164,7 +173,7 @@ def encode_code(payload: CodePayload) -> str:
     held: list[Any] = []
     try:
         keys = tuple((name, _value_key(v, held)) for name, v in payload.values.items())
-    except RecursionError:  # (a list that holds itself: pickled, not remembered)
+    except Exception:  # noqa: BLE001 - (a list that holds itself, a tensor without a data pointer): not remembered
         keys = (("", None),)
     key = None if any(k is None for _, k in keys) else (payload.source, payload.filename, payload.lineno, keys)
     if key is not None:
@@ -174,9 +183,10 @@ def encode_code(payload: CodePayload) -> str:
     text = _encode_code(payload)
     if key is not None:
         memo, size = (_ENCODED, _MEMO_SIZE) if len(text) <= LARGE_PAYLOAD else (_ENCODED_LARGE, _LARGE_MEMO_SIZE)
-        if len(memo) >= size:
-            memo.pop(next(iter(memo)))
-        memo[key] = (text, held)
+        with _MEMO_LOCK:  # (traces with blocking=False encode on threads of their own)
+            if len(memo) >= size:
+                memo.pop(next(iter(memo)), None)
+            memo[key] = (text, held)
     return text
 
 
