@@ -405,14 +405,20 @@ def test_a_sweeps_plans_stay_cached_least_recently_used_first(monkeypatch):
     from vllm_nnsight_plugin.engine import lower
 
     lowerings = Lowerings(TOY, torch.float32)
-    strengths = [0.5 * k for k in range(300)]
+    strengths, newer = [0.5 * k for k in range(300)], [0.25 * k for k in range(3)]
 
-    def sweep_env(k: int) -> dict:
+    def env_adding(coefs: list, k: int) -> dict:
         def block(model, tracer):
             for _ in tracer.all():
-                model.layers[0].output[0][:] += strengths[k] * VEC
+                model.layers[0].output[0][:] += coefs[k] * VEC
 
         return json.loads(make_payload(block))
+
+    def sweep_env(k: int) -> dict:
+        return env_adding(strengths, k)
+
+    def other(k: int) -> dict:
+        return env_adding(newer, k)
 
     def serves(path: str, kind: str) -> None:
         pass
@@ -423,15 +429,6 @@ def test_a_sweeps_plans_stay_cached_least_recently_used_first(monkeypatch):
     monkeypatch.setattr(lower, "CACHED_PLANS", 300)
     lowerings.get(sweep_env(0), serves)  # (used again: the oldest is now 1)
     lowerings.get(sweep_env(300 - 1), serves)
-    newer = [0.25 * k for k in range(3)]
-
-    def other(k: int) -> dict:
-        def block(model, tracer):
-            for _ in tracer.all():
-                model.layers[0].output[0][:] += newer[k] * VEC
-
-        return json.loads(make_payload(block))
-
     lowerings.get(other(0), serves)
     assert lowerings.get(sweep_env(0), serves) is first[0] and lowerings.get(sweep_env(1), serves) is not first[1]
     assert lower._numbers([[0.5] * 8]) == lower._numbers([0.5] * 8) == 8  # (a value of shape (1, 8) holds 8)
