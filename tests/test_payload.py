@@ -315,6 +315,19 @@ def test_a_payload_is_reused_only_for_the_same_numbers():
     assert back[1] is back
 
 
+def test_the_payload_memo_is_bounded_in_count_and_text(monkeypatch):
+    """The client keeps recent payloads up to a count and a total of text, oldest out first."""
+    monkeypatch.setattr(codec, "_ENCODED", {})
+    monkeypatch.setattr(codec, "_memo_bytes", 0)
+    monkeypatch.setattr(codec, "_MEMO_SIZE", 4)
+    texts = [codec.encode_code(codec.CodePayload("x = n", "f.py", 3, {"n": n})) for n in range(6)]
+    assert len(codec._ENCODED) == 4 and codec._memo_bytes == sum(len(t) for t in texts[2:])
+    assert codec.encode_code(codec.CodePayload("x = n", "f.py", 3, {"n": 5})) is texts[5]
+    monkeypatch.setattr(codec, "_MEMO_BYTES", 2 * len(texts[0]) + 1)
+    codec.encode_code(codec.CodePayload("x = n", "f.py", 3, {"n": 6}))
+    assert len(codec._ENCODED) == 2 and codec._memo_bytes <= codec._MEMO_BYTES
+
+
 def test_operator_settings_parse_in_one_place(monkeypatch):
     """--additional-config's nnsight section, each key falling back to its environment
     variable (the section wins); a number that is not one names its key."""

@@ -121,11 +121,11 @@ def _nnsight_ref(obj: Any) -> tuple | None:
     return ref(obj) if ref is not None else None
 
 
-# recent payloads: key -> (text, the values it holds); payloads of up to 64 KB (a trace's
-# invokes with a value each, a sweep, have one each: 512 kept), and 16 larger ones
+# recent payloads, oldest first: key -> (text, the values it holds). A trace's invokes
+# with a value each (a sweep) have one each: up to 512 payloads and 16 MB of text
 _ENCODED: dict[tuple, tuple[str, list[Any]]] = {}
-_ENCODED_LARGE: dict[tuple, tuple[str, list[Any]]] = {}
-_MEMO_SIZE, _LARGE_MEMO_SIZE = 512, 16
+_MEMO_SIZE, _MEMO_BYTES = 512, 16 << 20
+_memo_bytes = 0
 _MEMO_LOCK = threading.Lock()
 _CONTENT_KEYED = 64 * 1024  # a CPU tensor of up to this many bytes is keyed by its bytes too
 
@@ -177,17 +177,23 @@ def encode_code(payload: CodePayload) -> str:
         keys = (("", None),)
     key = None if any(k is None for _, k in keys) else (payload.source, payload.filename, payload.lineno, keys)
     if key is not None:
-        found = _ENCODED.get(key) or _ENCODED_LARGE.get(key)
+        found = _ENCODED.get(key)
         if found is not None:
             return found[0]
     text = _encode_code(payload)
-    if key is not None:
-        memo, size = (_ENCODED, _MEMO_SIZE) if len(text) <= LARGE_PAYLOAD else (_ENCODED_LARGE, _LARGE_MEMO_SIZE)
-        with _MEMO_LOCK:  # (traces with blocking=False encode on threads of their own)
-            if len(memo) >= size:
-                memo.pop(next(iter(memo)), None)
-            memo[key] = (text, held)
+    if key is not None and len(text) <= _MEMO_BYTES:
+        _remember(key, text, held)
     return text
+
+
+def _remember(key: tuple, text: str, held: list[Any]) -> None:
+    global _memo_bytes
+    with _MEMO_LOCK:  # (traces with blocking=False encode on threads of their own)
+        while _ENCODED and (len(_ENCODED) >= _MEMO_SIZE or _memo_bytes + len(text) > _MEMO_BYTES):
+            _memo_bytes -= len(_ENCODED.pop(next(iter(_ENCODED)))[0])
+        if key not in _ENCODED:
+            _ENCODED[key] = (text, held)
+            _memo_bytes += len(text)
 
 
 def _encode_code(payload: CodePayload) -> str:
