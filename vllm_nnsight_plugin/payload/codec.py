@@ -112,7 +112,7 @@ class _RefUnpickler(pickle.Unpickler):
     def _resolved(self, *ref: Any) -> Any:
         return self._resolve(ref)
 
-    def persistent_load(self, pid: Any) -> Any:  # noqa: D102 - references as clients before 2026-12-07 sent them
+    def persistent_load(self, pid: Any) -> Any:  # noqa: D102 - references sent as persistent ids (older clients)
         return self._resolve(tuple(pid))
 
 
@@ -172,10 +172,11 @@ def encode_code(payload: CodePayload) -> str:
     encode once."""
     held: list[Any] = []
     try:
-        keys = tuple((name, _value_key(v, held)) for name, v in payload.values.items())
+        keys: tuple | None = tuple((name, _value_key(v, held)) for name, v in payload.values.items())
     except Exception:  # noqa: BLE001 - (a list that holds itself, a tensor without a data pointer): not remembered
-        keys = (("", None),)
-    key = None if any(k is None for _, k in keys) else (payload.source, payload.filename, payload.lineno, keys)
+        keys = None
+    key = None if keys is None or any(k is None for _, k in keys) \
+        else (payload.source, payload.filename, payload.lineno, keys)
     if key is not None:
         found = _ENCODED.get(key)
         if found is not None:
