@@ -315,6 +315,39 @@ def test_a_payload_is_reused_only_for_the_same_numbers():
     assert back[1] is back
 
 
+def test_tensors_travel_as_their_bytes_in_every_dtype_and_layout():
+    """A block's tensors come back as sent: dtype (the unsigned ones torch pickles
+    untyped too), shape, strides and offset of a view, requires_grad, an empty one;
+    one tensor under two names stays one. A payload whose tensors went as torch's own
+    pickle (an earlier client) loads as before; a made-up dtype is a payload error."""
+    base = torch.linspace(-1, 1, 24)
+    sent = {"f32": base, "view": base.view(4, 6)[1:, ::2], "bf16": base.to(torch.bfloat16),
+            "f16t": base.to(torch.float16).view(4, 6).t(), "u16": torch.tensor([1, 2, 65535], dtype=torch.uint16),
+            "u64": torch.tensor([2**63], dtype=torch.uint64), "bool": base > 0, "i64": torch.arange(5),
+            "c64": torch.tensor([1 + 2j]), "empty": torch.empty(0, 3), "grad": torch.ones(2, requires_grad=True),
+            "again": base}
+    back = codec.load_code(codec.parse_envelope(codec.encode_code(codec.CodePayload("x = 1", "f.py", 3, sent))),
+                           lambda ref: None).values
+    for name, value in sent.items():
+        got = back[name]
+        assert got.dtype == value.dtype and got.shape == value.shape and got.stride() == value.stride(), name
+        assert got.storage_offset() == value.storage_offset() and got.requires_grad == value.requires_grad, name
+        assert torch.equal(got.detach(), value.detach()), name
+    assert back["again"] is back["f32"]
+    back["f32"].resize_(30)  # (storages of their own, as torch's pickle gives)
+
+    class TorchPickler(codec._RefPickler):  # (tensors as torch pickles them: what earlier clients sent)
+        def reducer_override(self, obj):
+            return super(codec._RefPickler, self).reducer_override(obj)
+
+    buf = codec.io.BytesIO()
+    TorchPickler(buf, codec._nnsight_ref).dump({"v": base})
+    env = {"source": "x = 1", "filename": "f.py", "lineno": 3, "values": base64.b64encode(buf.getvalue()).decode()}
+    assert torch.equal(codec.load_code(env, lambda ref: None).values["v"], base)
+    with pytest.raises(PayloadError, match="unknown tensor dtype"):
+        codec._storage_from_bytes(b"\0" * 4, "float33")
+
+
 def test_the_payload_memo_is_bounded_in_count_and_text(monkeypatch):
     """The client keeps recent payloads up to a count and a total of text, oldest out first."""
     monkeypatch.setattr(codec, "_ENCODED", {})

@@ -87,10 +87,35 @@ class _RefPickler(cloudpickle.CloudPickler):
         self._ref_of = ref_of
 
     def reducer_override(self, obj: Any) -> Any:  # noqa: D102
+        kind = type(obj)
+        if kind is torch.storage.TypedStorage or kind is torch.UntypedStorage:  # (a tensor's values)
+            storage = obj._untyped_storage if kind is torch.storage.TypedStorage else obj
+            if storage.device.type == "cpu":
+                dtype = str(obj.dtype).removeprefix("torch.") if kind is torch.storage.TypedStorage else None
+                return _storage_from_bytes, (_storage_bytes(storage), dtype)
         ref = self._ref_of(obj)
         if ref is not None:
             return _ref, tuple(ref)
         return super().reducer_override(obj)
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> bytes:
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+
+
+def _storage_from_bytes(data: bytes, dtype: str | None) -> Any:
+    """A tensor's values as :class:`_RefPickler` sends them: their bytes (typed by
+    ``dtype``; None: untyped, as torch pickles its newer dtypes, whose rebuild takes the
+    dtype and the wrapped storage), where torch's own
+    pickle wraps each storage in a legacy ``torch.save`` (about 50 us a tensor each way,
+    most of what a sweep's payload costs to encode and load; and its uint16, uint32 and
+    uint64 storages did not load again)."""
+    kind = torch.uint8 if dtype is None else getattr(torch, dtype, None)  # (untyped: the tensor says its dtype)
+    if not isinstance(kind, torch.dtype):
+        raise PayloadError(f"unknown tensor dtype {dtype!r}")
+    # (a storage of its own, resizable as torch's are: not one that shares the buffer)
+    values = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if data else torch.empty(0, dtype=torch.uint8)
+    return torch.storage.TypedStorage(wrap_storage=values.untyped_storage(), dtype=kind, _internal=True)
 
 
 def _ref(*ref: Any) -> Any:
