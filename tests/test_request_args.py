@@ -156,3 +156,17 @@ def test_admission_reads_false_as_false():
     inter.admit("bad", {"nnsight": spec, "nnsight_stream": "maybe"}, params)
     error = inter.results["bad"]["error"]
     assert "bad request" in error["message"] and "nnsight_stream" in error["message"], error
+
+
+def test_the_clients_params_are_copied_per_request_only_where_the_caller_rides_along():
+    """The client's params skip vLLM's per-request deep copy (built fresh per generate
+    call), but not where the caller's own extra_args ride along: vLLM's KV connectors
+    change ``kv_transfer_params`` in place, so each request needs a dict of its own."""
+    from vllm_nnsight_plugin.boundary.entrypoints import sampling_params
+
+    own = sampling_params(max_tokens=1, extra_args={"nnsight": "{}", "nnsight_stream": 1})
+    assert own.clone().extra_args is own.extra_args  # (vLLM's shallow copy)
+    theirs = sampling_params(max_tokens=1, extra_args={"nnsight": "{}", "kv_transfer_params": {"do_remote": True}})
+    copy = theirs.clone()
+    assert copy.extra_args["kv_transfer_params"] == {"do_remote": True}
+    assert copy.extra_args["kv_transfer_params"] is not theirs.extra_args["kv_transfer_params"]

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..payload.keys import EDITS_KEY, LOWER_KEY, PAYLOAD_KEY, STREAM_KEY
 from .patching import APP_ROUTE_HOOKS, loaded
+
+_OWN_KEYS = frozenset((PAYLOAD_KEY, STREAM_KEY, EDITS_KEY, LOWER_KEY))  # (extra_args the plugin alone reads)
 
 
 def engine_utility(llm: Any, method: str, *args: Any) -> Any:
@@ -35,10 +38,12 @@ def sampling_params(whole: bool = False, **kwargs: Any) -> Any:
     copy it per request (``skip_clone``, as vLLM's OpenAI server sets for its own
     fresh params): the deep copy was most of the front end's time per request. What
     vLLM sets per request it assigns on its shallow copy; the one nested change, the
-    engine's stop ids added to a set, is the same for every request."""
+    engine's stop ids added to a set, is the same for every request. Not where the
+    caller's own ``extra_args`` ride along: vLLM's KV connectors change a request's
+    ``kv_transfer_params`` in place, which requests sharing one dict would share."""
     from vllm import SamplingParams
 
-    kwargs.setdefault("skip_clone", True)
+    kwargs.setdefault("skip_clone", set(kwargs.get("extra_args") or ()) <= _OWN_KEYS)
     if whole:
         from vllm.sampling_params import RequestOutputKind
 
