@@ -91,31 +91,31 @@ class _RefPickler(cloudpickle.CloudPickler):
         if kind is torch.storage.TypedStorage or kind is torch.UntypedStorage:  # (a tensor's values)
             storage = obj._untyped_storage if kind is torch.storage.TypedStorage else obj
             if storage.device.type == "cpu":
-                dtype = str(obj.dtype).removeprefix("torch.") if kind is torch.storage.TypedStorage else None
-                return _storage_from_bytes, (_storage_bytes(storage), dtype)
+                # (untyped: torch's newer dtypes, whose rebuild takes the dtype from the
+                # tensor and the storage through a typed wrapper, as torch.load gives it)
+                dtype = obj.dtype if kind is torch.storage.TypedStorage else torch.uint8
+                return functools.partial(torch.storage.TypedStorage, wrap_storage=_StorageBytes(storage),
+                                         dtype=dtype, _internal=True), ()
         ref = self._ref_of(obj)
         if ref is not None:
             return _ref, tuple(ref)
         return super().reducer_override(obj)
 
 
-def _storage_bytes(storage: torch.UntypedStorage) -> bytes:
-    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+class _StorageBytes:
+    """A CPU storage's values as a block's payload carries them: its bytes, unpickled by
+    torch's own ``UntypedStorage.from_buffer`` into a storage of its own (any engine
+    with torch loads it, an older plugin's too). Torch's pickle of a storage is a legacy
+    ``torch.save`` each way (about 50 us a tensor, most of what a sweep's payload cost to
+    encode and load), and its uint16, uint32 and uint64 storages did not load again."""
 
+    __slots__ = ("data",)
 
-def _storage_from_bytes(data: bytes, dtype: str | None) -> Any:
-    """A tensor's values as :class:`_RefPickler` sends them: their bytes (typed by
-    ``dtype``; None: untyped, as torch pickles its newer dtypes, whose rebuild takes the
-    dtype and the wrapped storage), where torch's own
-    pickle wraps each storage in a legacy ``torch.save`` (about 50 us a tensor each way,
-    most of what a sweep's payload costs to encode and load; and its uint16, uint32 and
-    uint64 storages did not load again)."""
-    kind = torch.uint8 if dtype is None else getattr(torch, dtype, None)  # (untyped: the tensor says its dtype)
-    if not isinstance(kind, torch.dtype):
-        raise PayloadError(f"unknown tensor dtype {dtype!r}")
-    # (a storage of its own, resizable as torch's are: not one that shares the buffer)
-    values = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if data else torch.empty(0, dtype=torch.uint8)
-    return torch.storage.TypedStorage(wrap_storage=values.untyped_storage(), dtype=kind, _internal=True)
+    def __init__(self, storage: torch.UntypedStorage):
+        self.data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+
+    def __reduce__(self) -> tuple:
+        return functools.partial(torch.UntypedStorage.from_buffer, self.data, dtype=torch.uint8), ()
 
 
 def _ref(*ref: Any) -> Any:
