@@ -357,6 +357,17 @@ def test_tensors_travel_as_their_bytes_in_every_dtype_and_layout():
     assert all(torch.equal(loaded[k].detach(), v.detach()) and loaded[k].dtype == v.dtype for k, v in sent.items())
 
 
+def test_a_code_payload_is_the_json_of_its_envelope():
+    """The envelope is written out by hand (base64 needs no escaping): the text is what
+    ``json.dumps`` of it gives, also for a source with quotes, newlines and non-ASCII."""
+    payload = codec.CodePayload('x = "é"\n\ty = \'\\\'', "dir/f\u00fc.py", 12, {"v": torch.ones(3)})
+    text = codec._encode_code(payload)
+    env = json.loads(text)
+    assert text == json.dumps(env, separators=(",", ":"))
+    assert (env["v"], env["kind"], env["source"], env["filename"], env["lineno"]) == \
+        (codec.VERSION, "code", payload.source, payload.filename, 12)
+
+
 def test_the_payload_memo_is_bounded_in_count_and_text(monkeypatch):
     """The client keeps recent payloads up to a count and a total of text, oldest out first."""
     monkeypatch.setattr(codec, "_ENCODED", {})

@@ -236,17 +236,11 @@ def _encode_code(payload: CodePayload) -> str:
                     f"cannot be sent to the engine: {inner}"
                 ) from None
         raise PayloadError(f"cannot serialize the block's values: {exc}") from None
-    text = json.dumps(
-        {
-            "v": VERSION,
-            "kind": "code",
-            "source": payload.source,
-            "filename": payload.filename,
-            "lineno": payload.lineno,
-            "values": base64.b64encode(buf.getvalue()).decode(),
-        },
-        separators=(",", ":"),
-    )
+    # json.dumps of the envelope, written out: the base64 text needs no escaping, and the
+    # encoder's scan of it (a 2048-wide vector: 11 KB) was a third of the encoding
+    text = (f'{{"v":{json.dumps(VERSION)},"kind":"code","source":{json.dumps(payload.source)},'
+            f'"filename":{json.dumps(payload.filename)},"lineno":{json.dumps(payload.lineno)},'
+            f'"values":"{base64.b64encode(buf.getvalue()).decode()}"}}')
     limit = max_payload_bytes()
     if len(text) > limit:
         raise PayloadError(f"payload is {len(text)} bytes, over the limit of {limit}")
