@@ -11,7 +11,8 @@
 (d) the user's way (one ``model.trace()`` with 64 invokes of nnsight's code):
     steering every step by one vector, and a strength sweep (each invoke its own
     ``s[i] * v``: a payload and a plan per invoke), against the same engine's
-    untraced batch; the sweep's first batch records its plans, later ones reuse them.
+    untraced batch; a sweep's first batch records its plans (each rep a sweep of new
+    strengths), later batches of one sweep reuse them.
 
 Prints a markdown table. Absolute numbers vary a lot between machines; compare
 the ratios of one run.
@@ -104,13 +105,19 @@ def _child_users_way(path: str) -> None:
                         model.model.layers[1].output[0][:] += vector
         return tracer.outputs
 
-    def sweep() -> list:
+    def sweep(strengths: list[float] = strengths) -> list:
         with model.trace(**sampling) as tracer:
             for i, prompt in enumerate(prompts):
                 with tracer.invoke(prompt):
                     for step in tracer.iter[:]:  # noqa: B007
                         model.model.layers[1].output[0][:] += strengths[i] * vector
         return tracer.outputs
+
+    sweeps = iter(range(1, 1 << 30))
+
+    def new_sweep() -> list:  # (strengths never sent before: every plan is recorded in this batch)
+        shift = next(sweeps)
+        return sweep([s + shift for s in strengths])
 
     def timed(fn) -> float:  # noqa: ANN001
         t = time.perf_counter()
@@ -121,14 +128,14 @@ def _child_users_way(path: str) -> None:
         assert fn is plain or all(o.ran_as == "batched" for o in outs), [o.ran_as for o in outs]
         return made / seconds
 
-    plain()  # warm-up: an untraced batch, then a traced one (the engine's first traced work)
+    plain()  # warm-up: an untraced batch, then traced ones (the engine's first traced work)
     steer()
-    result = {"sweep_first": timed(sweep)}  # (its plans recorded in this batch)
-    times: dict[str, list[float]] = {"plain": [], "steer": [], "sweep": []}
+    sweep()
+    times: dict[str, list[float]] = {"plain": [], "steer": [], "sweep": [], "sweep_first": []}
     for _ in range(REPS):
-        for name, fn in (("plain", plain), ("steer", steer), ("sweep", sweep)):
+        for name, fn in (("plain", plain), ("steer", steer), ("sweep", sweep), ("sweep_first", new_sweep)):
             times[name].append(timed(fn))
-    result.update({k: statistics.median(v) for k, v in times.items()})
+    result = {k: statistics.median(v) for k, v in times.items()}
     print("RESULT " + json.dumps(result))
 
 
@@ -221,7 +228,7 @@ def main() -> None:
     print(f"| (d) the user's way: untraced, same engine, out tok/s | {users['plain']:,.0f} | 1 |")
     for key, label in (("steer", "steering every step by one vector"),
                        ("sweep", "a strength sweep, each invoke its own (plans reused)"),
-                       ("sweep_first", "the sweep's first batch (plans recorded)")):
+                       ("sweep_first", "a new sweep's first batch (its plans recorded)")):
         print(f"| (d) {label} | {users[key]:,.0f} | {users[key] / users['plain']:.3f} |")
     print(f"\nraw (a): off {[round(x) for x in off]}, on {[round(x) for x in on]}")
 
