@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 import pickle
@@ -318,31 +319,38 @@ def test_a_payload_is_reused_only_for_the_same_numbers():
 
 def test_tensors_travel_as_their_bytes_in_every_dtype_and_layout():
     """A block's tensors come back as sent: dtype (the unsigned ones torch pickles
-    untyped too), shape, strides and offset of a view, requires_grad, an empty one;
-    one tensor under two names stays one. A payload whose tensors went as torch's own
-    pickle (an earlier client) loads as before, and what this client sends needs no
-    name of the plugin's to load (an engine of an earlier version loads it)."""
+    untyped too, float8, quantized), shape, strides and offset of a view, requires_grad,
+    an empty one; one tensor under two names stays one, and a view shares its base's
+    storage, sent once. Not through torch's legacy storage pickle (``_load_from_bytes``).
+    A payload whose tensors went that way (an earlier client) loads as before, and what
+    this client sends needs no name of the plugin's to load (an earlier engine loads it)."""
     base = torch.linspace(-1, 1, 24)
+    ints = {dtype: torch.tensor([1, 2, 127], dtype=dtype) for dtype in (
+        torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32, torch.int64)}
     sent = {"f32": base, "view": base.view(4, 6)[1:, ::2], "bf16": base.to(torch.bfloat16),
-            "f16t": base.to(torch.float16).view(4, 6).t(), "u16": torch.tensor([1, 2, 65535], dtype=torch.uint16),
-            "u64": torch.tensor([2**63], dtype=torch.uint64), "bool": base > 0, "i64": torch.arange(5),
-            "c64": torch.tensor([1 + 2j]), "empty": torch.empty(0, 3), "grad": torch.ones(2, requires_grad=True),
-            "again": base}
-    back = codec.load_code(codec.parse_envelope(codec.encode_code(codec.CodePayload("x = 1", "f.py", 3, sent))),
-                           lambda ref: None).values
+            "f16t": base.to(torch.float16).view(4, 6).t(), "f64": base.double(), "f8": base.to(torch.float8_e4m3fn),
+            **{str(dtype): t for dtype, t in ints.items()}, "u16": torch.tensor([65535], dtype=torch.uint16),
+            "bool": base > 0, "c64": torch.tensor([1 + 2j]), "q": torch.quantize_per_tensor(base, 0.1, 0, torch.qint8),
+            "empty": torch.empty(0, 3), "grad": torch.ones(2, requires_grad=True), "again": base}
+    text = codec.encode_code(codec.CodePayload("x = 1", "f.py", 3, sent))
+    raw = base64.b64decode(json.loads(text)["values"])
+    assert b"_load_from_bytes" not in raw and raw.count(base.numpy().tobytes()) == 1
+    back = codec.load_code(codec.parse_envelope(text), lambda ref: None).values
     for name, value in sent.items():
         got = back[name]
         assert got.dtype == value.dtype and got.shape == value.shape and got.stride() == value.stride(), name
         assert got.storage_offset() == value.storage_offset() and got.requires_grad == value.requires_grad, name
-        assert torch.equal(got.detach(), value.detach()), name
+        assert torch.equal(got.detach().dequantize() if got.is_quantized else got.detach().float(),
+                           value.detach().dequantize() if value.is_quantized else value.detach().float()), name
     assert back["again"] is back["f32"]
-    back["f32"].resize_(30)  # (storages of their own, as torch's pickle gives)
+    assert back["view"].untyped_storage().data_ptr() == back["f32"].untyped_storage().data_ptr()
+    back["torch.int64"].resize_(30)  # (storages of their own, as torch's pickle gives)
 
     class TorchPickler(codec._RefPickler):  # (tensors as torch pickles them: what earlier clients sent)
         def reducer_override(self, obj):
             return super(codec._RefPickler, self).reducer_override(obj)
 
-    buf = codec.io.BytesIO()
+    buf = io.BytesIO()
     TorchPickler(buf, codec._nnsight_ref).dump({"v": base})
     env = {"source": "x = 1", "filename": "f.py", "lineno": 3, "values": base64.b64encode(buf.getvalue()).decode()}
     assert torch.equal(codec.load_code(env, lambda ref: None).values["v"], base)
@@ -352,20 +360,19 @@ def test_tensors_travel_as_their_bytes_in_every_dtype_and_layout():
             assert not module.startswith("vllm_nnsight_plugin"), (module, name)
             return super().find_class(module, name)
 
-    raw = json.loads(codec.encode_code(codec.CodePayload("x = 1", "f.py", 3, sent)))["values"]
-    loaded = TorchOnly(codec.io.BytesIO(base64.b64decode(raw))).load()
-    assert all(torch.equal(loaded[k].detach(), v.detach()) and loaded[k].dtype == v.dtype for k, v in sent.items())
+    loaded = TorchOnly(io.BytesIO(raw)).load()
+    assert all(torch.equal(loaded[k].detach(), back[k].detach()) for k in ("f32", "view", "u16", "bf16"))
 
 
 def test_a_code_payload_is_the_json_of_its_envelope():
     """The envelope is written out by hand (base64 needs no escaping): the text is what
-    ``json.dumps`` of it gives, also for a source with quotes, newlines and non-ASCII."""
+    ``json.dumps`` of the envelope gives, key order too, also for a source with quotes,
+    newlines and non-ASCII."""
     payload = codec.CodePayload('x = "é"\n\ty = \'\\\'', "dir/f\u00fc.py", 12, {"v": torch.ones(3)})
     text = codec._encode_code(payload)
-    env = json.loads(text)
-    assert text == json.dumps(env, separators=(",", ":"))
-    assert (env["v"], env["kind"], env["source"], env["filename"], env["lineno"]) == \
-        (codec.VERSION, "code", payload.source, payload.filename, 12)
+    values = json.loads(text)["values"]
+    assert text == json.dumps({"v": codec.VERSION, "kind": "code", "source": payload.source,
+                               "filename": payload.filename, "lineno": 12, "values": values}, separators=(",", ":"))
 
 
 def test_the_payload_memo_is_bounded_in_count_and_text(monkeypatch):

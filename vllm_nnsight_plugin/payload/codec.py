@@ -80,21 +80,27 @@ class _RefPickler(cloudpickle.CloudPickler):
     """Pickles a block's values; the client's model, envoys and tracer go as a call of
     :func:`_ref` with their reference, which the engine's unpickler resolves. Through
     ``reducer_override``, which pickle skips for numbers, strings and plain containers
-    (``persistent_id`` would run for each of a sweep's 256 coefficients)."""
+    (``persistent_id`` would run for each of a sweep's 256 coefficients). A CPU tensor's
+    storage goes as its bytes (:class:`_StorageBytes`), once per storage: tensors that
+    share one (a view beside its base) share one on the engine, as they did here."""
 
     def __init__(self, file: io.BytesIO, ref_of: Callable[[Any], tuple | None]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._ref_of = ref_of
+        self._storages: dict[int, tuple[torch.UntypedStorage, _StorageBytes]] = {}  # (held: ids stay theirs)
 
     def reducer_override(self, obj: Any) -> Any:  # noqa: D102
         kind = type(obj)
         if kind is torch.storage.TypedStorage or kind is torch.UntypedStorage:  # (a tensor's values)
             storage = obj._untyped_storage if kind is torch.storage.TypedStorage else obj
             if storage.device.type == "cpu":
-                # (untyped: torch's newer dtypes, whose rebuild takes the dtype from the
-                # tensor and the storage through a typed wrapper, as torch.load gives it)
+                # (torch pickles a uint16/32/64 tensor's UntypedStorage, and its rebuild reads
+                # ``storage._untyped_storage``: a uint8 TypedStorage, as torch.load gives it)
                 dtype = obj.dtype if kind is torch.storage.TypedStorage else torch.uint8
-                return functools.partial(torch.storage.TypedStorage, wrap_storage=_StorageBytes(storage),
+                held = self._storages.get(storage._cdata)
+                if held is None:
+                    held = self._storages[storage._cdata] = (storage, _StorageBytes(storage))
+                return functools.partial(torch.storage.TypedStorage, wrap_storage=held[1],
                                          dtype=dtype, _internal=True), ()
         ref = self._ref_of(obj)
         if ref is not None:
