@@ -21,6 +21,7 @@ the ratios of one run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -105,18 +106,21 @@ def _child_users_way(path: str) -> None:
                         model.model.layers[1].output[0][:] += vector
         return tracer.outputs
 
-    def sweep(strengths: list[float] = strengths) -> list:
+    def sweep(coefs: list[float] = strengths) -> list:
         with model.trace(**sampling) as tracer:
             for i, prompt in enumerate(prompts):
                 with tracer.invoke(prompt):
                     for step in tracer.iter[:]:  # noqa: B007
-                        model.model.layers[1].output[0][:] += strengths[i] * vector
+                        model.model.layers[1].output[0][:] += coefs[i] * vector
         return tracer.outputs
 
-    sweeps = iter(range(1, 1 << 30))
+    sweeps = itertools.count(1)
+    # (the client keeps 512 payloads, oldest out first: the reused sweep's stay while the
+    # new sweeps' 64 per rep fit beside them)
+    assert PROMPTS * (REPS + 1) + 1 <= 512
 
     def new_sweep() -> list:  # (strengths never sent before: every plan is recorded in this batch)
-        shift = next(sweeps)
+        shift = next(sweeps) * 1e-3
         return sweep([s + shift for s in strengths])
 
     def timed(fn) -> float:  # noqa: ANN001

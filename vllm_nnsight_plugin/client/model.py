@@ -308,7 +308,8 @@ class VLLM(Envoy):
                 extra[codec.PAYLOAD_KEY] = payload
             kw["extra_args"] = extra or None
             # invokes of one body and the same values share one SamplingParams, as a stock
-            # generate() over many prompts does (vLLM copies it per request)
+            # generate() over many prompts does (vLLM copies it per request, shallowly:
+            # entrypoints.sampling_params)
             if last is None or not _same_keywords(last[0], kw):
                 last = (kw, sampling_params(**kw))
             params.append(last[1])
