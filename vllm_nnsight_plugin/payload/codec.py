@@ -111,9 +111,9 @@ class _RefPickler(cloudpickle.CloudPickler):
 class _StorageBytes:
     """A CPU storage's values as a block's payload carries them: its bytes, unpickled by
     torch's own ``UntypedStorage.from_buffer`` into a storage of its own (any engine
-    with torch loads it, an older plugin's too). Torch's pickle of a storage is a legacy
-    ``torch.save`` each way (about 50 us a tensor, most of what a sweep's payload cost to
-    encode and load), and its uint16, uint32 and uint64 storages did not load again."""
+    with torch loads it, an older plugin's too). Torch's own pickle of a storage is a
+    legacy ``torch.save`` each way (about 50 us a tensor: most of encoding and loading a
+    sweep's payload that way), and it does not load its uint16/32/64 storages again."""
 
     __slots__ = ("data",)
 
