@@ -243,7 +243,7 @@ def _encode_code(payload: CodePayload) -> str:
                 ) from None
         raise PayloadError(f"cannot serialize the block's values: {exc}") from None
     # json.dumps of the envelope, written out: the base64 text needs no escaping, and the
-    # encoder's scan of it (a 2048-wide vector: 11 KB) was a third of the encoding
+    # encoder would scan every character of it (a 2048-wide vector's 11 KB: about 25 us)
     text = (f'{{"v":{json.dumps(VERSION)},"kind":"code","source":{json.dumps(payload.source)},'
             f'"filename":{json.dumps(payload.filename)},"lineno":{json.dumps(payload.lineno)},'
             f'"values":"{base64.b64encode(buf.getvalue()).decode()}"}}')
