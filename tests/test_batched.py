@@ -238,6 +238,19 @@ def test_finished_requests_leave_no_batched_state_or_hooks():
     assert not inter.batched.at and not inter.hooks and not inter.traced
 
 
+def test_the_last_traced_request_to_finish_takes_its_hooks_along():
+    """Untraced steps after traced work run without the plugin's module hooks, whether
+    or not a traced step follows (vLLM finishes requests at the next step's start)."""
+    model, inter = _toy()
+    inter.admit("b", {"nnsight": _toy_spec({"op": "add", "module": "layers.0", "value": [1, 1, 1, 1],
+                                             "steps": "all"})})
+    _step(model, inter, {"b": (0, 1)}, torch.randn(1, 4))
+    assert inter.hooks and model.layers[0]._forward_hooks  # (the edit's hook while it runs)
+    inter.finish(["b"])
+    assert not inter.batched.at and not inter.hooks and not inter.working()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def test_batched_edits_keep_each_requests_block_order():
     """Installed edits run before the request's own block, whoever else shares the batch."""
     model, inter = _toy()

@@ -104,15 +104,19 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         if self.stages is not None:
             for req_id in req_ids:
                 self.stages.admitted_as.pop(req_id, None)
+        forgot = False
         for req_id in req_ids:
             for session in self.requests.forget(req_id):
                 self._unwait(session)
                 session.ended = True  # batched edits drop it on the next prune
                 session.release()
+                forgot = True
             self.results.pop(req_id, None)
             self._unshipped.pop(req_id, None)
         if coded:
             self.trimmer.after_requests()
+        if forgot and not self.sessions:
+            self._idle()  # (no traced step may follow to do it: untraced steps then run hook-free)
 
     def fail_request(self, req_id: str, message: str) -> None:
         blocks = [s for s in self.sessions.get(req_id, ()) if s.active]
@@ -207,17 +211,30 @@ class Interleaver(Admission, ValueServing, LogitsServing):
             self._quiet = None
             self._walk_step(layout, loud, finishing)
         self.layout = None
-        if not self.sessions:  # nothing live can hold a served view: start the storage set afresh
-            self._served = set()
-            self._guard_memo = None  # (it holds blocks: their last snapshots may hold host memory)
-            host.release()  # (and later reads start fresh host blocks)
+        if not self.sessions:
+            self._idle()
+        else:
+            self._prune()
+        self._ship()
+        results, self.results = self.results, {}
+        return results
+
+    def _idle(self) -> None:
+        """No traced request is live: what the last ones held goes (their batched
+        entries and the module hooks that served them; the storage set, as nothing live
+        can hold a served view; the guard's memo, whose blocks' snapshots may hold host
+        memory; the current host blocks, so later reads start fresh ones)."""
+        self._served = set()
+        self._guard_memo = None
+        host.release()
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop the entries of ended requests, then the hooks no entry needs any more."""
         self.batched.prune()
         if self.stages is not None:
             self.stages.prune()
         self._prune_hooks()
-        self._ship()
-        results, self.results = self.results, {}
-        return results
 
     def _walk_step(self, layout: StepLayout, loud: set[str], finishing: set[str] | frozenset) -> None:
         """end_step's pass over the batch: advance, end and record each traced request."""
