@@ -238,6 +238,49 @@ def test_finished_requests_leave_no_batched_state_or_hooks():
     assert not inter.batched.at and not inter.hooks and not inter.traced
 
 
+class _Split(torch.nn.Module):
+    def forward(self, x):
+        return x.view(x.shape[0], 2, 2)
+
+
+class _Heads(torch.nn.Module):
+    """``heads``: a per-token output of two dimensions a row (two heads of two)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.heads = _Split()
+
+    def forward(self, x):
+        return self.heads(self.proj(x))
+
+
+def test_a_batched_value_of_one_rows_shape_broadcasts_over_its_requests_rows():
+    """As in eager torch, a (2, 2) value adds to every (2, 2) row of an (N, 2, 2) output;
+    a value of three rows on an (N, 4) output (as many dimensions: a row per token) is refused."""
+    from vllm_nnsight_plugin.engine.interleave import Interleaver, StepLayout
+    from vllm_nnsight_plugin.engine.worker_setup import WorkerSetup
+
+    torch.manual_seed(0)
+    model = _Heads().eval()
+    inter = Interleaver(model, WorkerSetup())
+    value = [[1.0, 2.0], [3.0, 4.0]]
+    inter.admit("a", {"nnsight": _toy_spec({"op": "add", "module": "heads", "value": value, "steps": "all"})})
+    inter.admit("r", {"nnsight": _toy_spec({"op": "add", "module": "proj", "value": [[1.0] * 4] * 3,
+                                             "steps": "all"})})
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        clean = model(x)
+        inter.begin_step(StepLayout({"u": (0, 1), "a": (1, 4), "r": (4, 6)}, {"u": 0, "a": 1, "r": 2}, 6))
+        steered = model(x)
+    out = inter.end_step()
+    assert out.get("a", {}).get("error") is None
+    assert torch.equal(steered[0], clean[0])  # (an untraced request's row)
+    assert torch.allclose(steered[1:4], clean[1:4] + torch.tensor(value))
+    assert "is not one row" in out["r"]["error"]["message"]
+    assert torch.equal(steered[4:], clean[4:])  # (refused before any row changed)
+
+
 def test_the_last_traced_request_to_finish_takes_its_hooks_along():
     """Untraced steps after traced work run without the plugin's module hooks, whether
     or not a traced step follows (vLLM finishes requests at the next step's start)."""

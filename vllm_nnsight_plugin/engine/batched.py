@@ -480,14 +480,17 @@ class BatchedEdits(LanePlans):
         return rows
 
     def _value(self, op: dict[str, Any], like: torch.Tensor) -> arith.Operand:
-        """The op's value on the device, decoded once; one row, broadcast over the rows."""
+        """The op's value on the device, decoded once; one row, broadcast over the rows
+        (as eager torch broadcasts it: a value of fewer dimensions than ``like`` is one
+        row; one of as many is one only where its first dimension is 1)."""
         key = (id(op), like.dtype)
         cached = self._values.get(key)
         if cached is None or cached[0] is not op:
             if len(self._values) > 1024:
                 self._values.clear()
             value = arith.operand(op["value"], like)
-            if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[0] != 1:
+            if isinstance(value, torch.Tensor) and value.dim() > 1 and value.dim() >= like.dim() \
+                    and value.shape[0] != 1:
                 raise ValueError(f"the value (shape {tuple(value.shape)}) is not one row: it is added "
                                  "to every row of the request")
             cached = self._values[key] = (op, value)
