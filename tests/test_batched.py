@@ -285,12 +285,15 @@ def test_the_last_traced_request_to_finish_takes_its_hooks_along():
     """Untraced steps after traced work run without the plugin's module hooks, whether
     or not a traced step follows (vLLM finishes requests at the next step's start)."""
     model, inter = _toy()
-    inter.admit("b", {"nnsight": _toy_spec({"op": "add", "module": "layers.0", "value": [1, 1, 1, 1],
-                                             "steps": "all"})})
-    _step(model, inter, {"b": (0, 1)}, torch.randn(1, 4))
+    spec = {"nnsight": _toy_spec({"op": "add", "module": "layers.0", "value": [1, 1, 1, 1], "steps": "all"})}
+    inter.admit("b", spec)
+    inter.admit("c", spec)
+    _step(model, inter, {"b": (0, 1), "c": (1, 2)}, torch.randn(2, 4))
     assert inter.hooks and model.layers[0]._forward_hooks  # (the edit's hook while it runs)
-    inter.finish(["b"])
-    assert not inter.batched.at and not inter.hooks and not inter.working()
+    inter.finish(["b"])  # (another traced request is live: its edit keeps the hook)
+    assert inter.hooks and model.layers[0]._forward_hooks
+    inter.finish(["c"])
+    assert not inter.batched.at and not inter.hooks and not inter.waiters
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 

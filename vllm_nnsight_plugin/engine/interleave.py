@@ -223,7 +223,9 @@ class Interleaver(Admission, ValueServing, LogitsServing):
         """No traced request is live: what the last ones held goes (their batched
         entries and the module hooks that served them; the storage set, as nothing live
         can hold a served view; the guard's memo, whose blocks' snapshots may hold host
-        memory; the current host blocks, so later reads start fresh ones)."""
+        memory; the current host blocks, so later reads start fresh ones; the waiters, as
+        no block is live to wait: one that failed while parked may still be listed)."""
+        self.waiters.clear()
         self._served = set()
         self._guard_memo = None
         host.release()
