@@ -291,6 +291,16 @@ def test_invokes_of_one_body_and_values_encode_once_and_edits_are_seen():
     assert codec.encode_code(codec.CodePayload("x = o", "f.py", 3, {"o": SharedList([1, 2])})) is first_copy
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: a device tensor's bytes key the memo")
+def test_a_small_cuda_tensor_changed_through_data_gets_a_new_payload():
+    v = torch.ones(4, device="cuda")
+    first = codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v}))
+    assert codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v})) is first
+    v.data.add_(1)  # (the version counter does not see it)
+    seen = codec.encode_code(codec.CodePayload("x = v", "f.py", 3, {"v": v}))
+    assert codec.load_code(codec.parse_envelope(seen), lambda ref: None).values["v"].tolist() == [2.0] * 4
+
+
 def test_a_payload_is_reused_only_for_the_same_numbers():
     """Numbers key the memo by their bits and lists of numbers by their contents: a
     sweep's coefficient list repeats its payload only where every number is the same

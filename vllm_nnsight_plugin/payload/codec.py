@@ -158,7 +158,7 @@ _ENCODED: dict[tuple, tuple[str, list[Any]]] = {}
 _MEMO_SIZE, _MEMO_BYTES = 512, 16 << 20
 _memo_bytes = 0
 _MEMO_LOCK = threading.Lock()
-_CONTENT_KEYED = 64 * 1024  # a CPU tensor of up to this many bytes is keyed by its bytes too
+_CONTENT_KEYED = 64 * 1024  # a tensor of up to this many bytes is keyed by its bytes too
 
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
@@ -177,9 +177,10 @@ def _value_key(value: Any, held: list[Any]) -> Any:
     if isinstance(value, torch.Tensor):
         held.append(value)
         key = ("t", id(value), value._version, value.data_ptr(), tuple(value.shape), value.dtype, value.device)
-        if value.device.type == "cpu" and value.numel() * value.element_size() <= _CONTENT_KEYED:
-            # (its bytes too: a change through ``.data`` or a numpy view keeps the version)
-            key += (value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(),)
+        if value.numel() * value.element_size() <= _CONTENT_KEYED:
+            # (its bytes too: a change through ``.data`` or a numpy view keeps the version;
+            # a device tensor's cross to the host, as encoding it would on a miss)
+            key += (value.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes(),)
         return key
     ref = _nnsight_ref(value)
     if ref is not None:
