@@ -28,6 +28,7 @@ did not run as the batched plan, fails the run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -91,18 +92,20 @@ def steer(model: Any, prompts: list[list[int]], vector: Any) -> list[Any]:
     return tracer.outputs
 
 
-def steer_sweep(model: Any, prompts: list[list[int]], vector: Any) -> list[Any]:
+def steer_sweep(model: Any, prompts: list[list[int]], vector: Any, shift: float = 0.0) -> list[Any]:
     """Steering every step with a strength of each invoke's own (a sweep: the value
-    differs per invoke, so every invoke has a plan of its own)."""
+    differs per invoke, so every invoke has a plan of its own). ``shift``, added to every
+    strength: a sweep the client and the engine have not seen (no kept payload or plan)."""
     with model.trace(**SAMPLING) as tracer:
         for i, prompt in enumerate(prompts):
             with tracer.invoke(prompt):
                 for step in tracer.iter[:]:  # noqa: B007
-                    model.model.layers[LAYER].output[0][:] += STRENGTHS[i % len(STRENGTHS)] * vector
+                    model.model.layers[LAYER].output[0][:] += (STRENGTHS[i % len(STRENGTHS)] + shift) * vector
     return tracer.outputs
 
 
 STRENGTHS = [0.25 + i / 64 for i in range(256)]  # (one per invoke of the headline's 256)
+_NEW_SWEEPS = itertools.count(1)  # (each steer_sweep_new batch: strengths never sent before)
 
 
 def plugin_runs(model: Any) -> dict[str, Any]:
@@ -117,7 +120,8 @@ def plugin_runs(model: Any) -> dict[str, Any]:
     return {"plain": plain, "prefill": lambda p: prefill(model, p),
             "every_token": lambda p: every_token(model, p), "steer": lambda p: steer(model, p, STEER),
             "steer_zero": lambda p: steer(model, p, STEER_ZERO),
-            "steer_sweep": lambda p: steer_sweep(model, p, STEER)}
+            "steer_sweep": lambda p: steer_sweep(model, p, STEER),
+            "steer_sweep_new": lambda p: steer_sweep(model, p, STEER, next(_NEW_SWEEPS) * 1e-3)}
 
 
 def nnsight_runs(model: Any) -> dict[str, Any]:
